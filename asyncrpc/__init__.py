@@ -1,0 +1,49 @@
+"""asyncrpc: torch.distributed.rpc made pleasant and safe for multi-worker programs.
+
+Example::
+
+    import asyncrpc, torch
+
+    def main(ctx):
+        if ctx.rank == 0:
+            print(asyncrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)))
+
+    if __name__ == "__main__":
+        asyncrpc.run(main, world_size=2)
+"""
+
+from ._calls import remote, rpc_async, rpc_sync
+from ._errors import (
+    AsyncRPCError,
+    DuplicateNameError,
+    NotInitializedError,
+    PortInUseError,
+    RendezvousError,
+    UnknownWorkerError,
+    WorkerFailedError,
+    WorldSizeMismatchError,
+)
+from ._runtime import Context, Settings, current_context, init, shutdown
+from ._world import run
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AsyncRPCError",
+    "Context",
+    "DuplicateNameError",
+    "NotInitializedError",
+    "PortInUseError",
+    "RendezvousError",
+    "Settings",
+    "UnknownWorkerError",
+    "WorkerFailedError",
+    "WorldSizeMismatchError",
+    "current_context",
+    "init",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "run",
+    "shutdown",
+)

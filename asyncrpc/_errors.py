@@ -1,0 +1,92 @@
+"""Every exception asyncrpc raises, in one place.
+
+Each class is named by what happened. All derive from `AsyncRPCError`, and
+each also derives from the built-in exception a caller would catch without
+knowing asyncrpc (`LookupError` for an unknown worker, `OSError` for a busy
+port, `RuntimeError` for RPC used outside a world).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncRPCError",
+    "DuplicateNameError",
+    "NotInitializedError",
+    "PortInUseError",
+    "RendezvousError",
+    "UnknownWorkerError",
+    "WorkerFailedError",
+    "WorldSizeMismatchError",
+]
+
+
+class AsyncRPCError(Exception):
+    """Base class of every error raised by asyncrpc itself."""
+
+
+class RendezvousError(AsyncRPCError, RuntimeError):
+    """The workers could not form a world (a peer never came, a rank was taken twice...)."""
+
+
+class PortInUseError(RendezvousError, OSError):
+    """The rendezvous port is already taken by another process."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(
+            f"port {port} on {host} is already in use, so the rendezvous store cannot "
+            f"listen there; pass another master_port=..., or master_port=0 to pick a "
+            f"free one, or stop the process holding it (ss -ltnp 'sport = :{port}')"
+        )
+        self.host = host
+        self.port = port
+
+
+class WorldSizeMismatchError(RendezvousError, ValueError):
+    """Two sources disagree on how many workers the world has."""
+
+
+class DuplicateNameError(RendezvousError, ValueError):
+    """Two workers asked for the same name."""
+
+
+class UnknownWorkerError(AsyncRPCError, LookupError):
+    """A call named a worker that is not part of the world."""
+
+
+class NotInitializedError(AsyncRPCError, RuntimeError):
+    """RPC was used outside a running world (before init or after shutdown)."""
+
+
+class WorkerFailedError(AsyncRPCError):
+    """A worker of an `asyncrpc.run` world raised an exception or died.
+
+    Attributes: `name` and `rank` of the worker, `exitcode` (negative for a
+    signal, as in `multiprocessing`), and `remote_traceback`, the worker's
+    formatted traceback when it raised (empty when it was killed).
+    """
+
+    def __init__(
+        self, name: str, rank: int, exitcode: int | None, remote_traceback: str = ""
+    ) -> None:
+        self.name = name
+        self.rank = rank
+        self.exitcode = exitcode
+        self.remote_traceback = remote_traceback
+        super().__init__(self._describe())
+
+    def _describe(self) -> str:
+        who = f"worker {self.name!r} (rank {self.rank})"
+        if self.remote_traceback:
+            return f"{who} raised:\n{self.remote_traceback.rstrip()}"
+        if self.exitcode is not None and self.exitcode < 0:
+            import signal
+
+            try:
+                sig = signal.Signals(-self.exitcode).name
+            except ValueError:
+                sig = f"signal {-self.exitcode}"
+            return f"{who} was killed by {sig}"
+        return f"{who} exited with code {self.exitcode} without a Python traceback"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.rank, self.exitcode, self.remote_traceback))

@@ -1,0 +1,369 @@
+"""The RPC world of this process: joining it, describing it, leaving it.
+
+`init` reads what it is not told from the launcher's environment (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_WORLD_SIZE), meets its peers
+through `_rendezvous`, binds TensorPipe to the right interface and starts
+torch's RPC agent. `shutdown` stops it. `Context` is what a worker knows of
+the world.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch._C._distributed_c10d import Store
+
+from . import _net, _rendezvous
+from ._errors import AsyncRPCError, NotInitializedError, WorldSizeMismatchError
+
+__all__ = ["Context", "Settings", "current_context", "init", "shutdown", "start"]
+
+_LOOPBACK = "127.0.0.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Options shared by `init` and `run`; every field has a safe default."""
+
+    num_worker_threads: int = 16
+    rpc_timeout: float = 60.0
+    init_timeout: float = 120.0
+    intra_op_threads: int | None = None
+    interface: str | None = None
+    # TensorPipe's shared-memory transport busy-polls about a core per idle
+    # worker; uv (TCP) idles at ~0, which matters more on small machines.
+    transports: tuple[str, ...] | None = ("uv",)
+    channels: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
+            raise ValueError(
+                f"num_worker_threads must be a positive int, got {self.num_worker_threads!r}"
+            )
+        for field in ("rpc_timeout", "init_timeout"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{field} must be a finite number of seconds > 0, got {value!r}")
+        threads = self.intra_op_threads
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"intra_op_threads must be a positive int, got {threads!r}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Settings:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; asyncrpc accepts {sorted(known)}")
+        return cls(**options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a worker knows of its world; also a context manager that shuts it down.
+
+    Example::
+
+        def main(ctx: asyncrpc.Context) -> None:
+            peer = ctx.names[(ctx.rank + 1) % ctx.world_size]
+            print(ctx.name, "->", peer, ctx.workers("trainer"))
+    """
+
+    rank: int
+    world_size: int
+    name: str
+    names: tuple[str, ...]
+    roles: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def role(self) -> str | None:
+        """The role of this worker (`"trainer"` for `trainer3`), or None without roles."""
+        for role, _ in self.roles:
+            if self.name.startswith(role) and self.name[len(role) :].isdigit():
+                return role
+        return None
+
+    def workers(self, role: str | None = None) -> tuple[str, ...]:
+        """All worker names, or those of one role, in rank order."""
+        if role is None:
+            return self.names
+        if role not in dict(self.roles):
+            raise LookupError(
+                f"unknown role {role!r}; this world has roles {[r for r, _ in self.roles]}"
+            )
+        return tuple(n for n in self.names if n[len(role) :].isdigit() and n.startswith(role))
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        shutdown(graceful=exc_type is None)
+
+
+@dataclasses.dataclass
+class _World:
+    context: Context
+    store: Store
+
+
+_world: _World | None = None
+_was_shut_down = False
+_lock = threading.Lock()
+
+
+def current_context() -> Context:
+    """The `Context` of the running world of this process.
+
+    Example::
+
+        @torch.no_grad()
+        def who_am_i() -> str:
+            return asyncrpc.current_context().name
+    """
+    world = _world
+    if world is None:
+        raise NotInitializedError(_not_running_message("asyncrpc.current_context()"))
+    return world.context
+
+
+def _not_running_message(what: str) -> str:
+    if _was_shut_down:
+        return f"{what} was called after asyncrpc.shutdown(); the RPC world is closed"
+    return (
+        f"{what} was called before the RPC world started; call it inside the main(ctx) "
+        f"given to asyncrpc.run(main, world_size=N), or after asyncrpc.init()"
+    )
+
+
+def names_for(world_size: int, roles: Mapping[str, int] | None) -> tuple[str, ...]:
+    """Default worker names: `worker{rank}`, or `{role}{i}` in the order roles are given."""
+    if not roles:
+        return tuple(f"worker{r}" for r in range(world_size))
+    for role, count in roles.items():
+        if not role.isidentifier() or not isinstance(count, int) or count < 1:
+            raise ValueError(
+                f"roles must map a name to a positive count, got {role!r}: {count!r}; "
+                f"e.g. roles={{'ps': 1, 'trainer': 4}}"
+            )
+    total = sum(roles.values())
+    if total != world_size:
+        raise WorldSizeMismatchError(
+            f"roles {dict(roles)} add up to {total} workers but world_size is "
+            f"{world_size}; make them agree, or leave world_size out"
+        )
+    return tuple(f"{role}{i}" for role, count in roles.items() for i in range(count))
+
+
+def resolve_world_size(world_size: int | None, roles: Mapping[str, int] | None) -> int | None:
+    """The world size a caller asked for, from `world_size`, `roles`, or both."""
+    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if roles and world_size is None:
+        world_size = sum(roles.values())
+    if world_size is not None:
+        names_for(world_size, roles)
+    return world_size
+
+
+def _from_env(key: str) -> int | None:
+    raw = os.environ.get(key)
+    if raw in (None, ""):
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
+
+
+def init(
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    name: str | None = None,
+    roles: Mapping[str, int] | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    **options: Any,
+) -> Context:
+    """Join an RPC world from this process and return its `Context`.
+
+    Missing values come from the launcher's environment (`RANK`, `WORLD_SIZE`,
+    `MASTER_ADDR`, `MASTER_PORT`). Without a launcher, rank 0 hosts the
+    rendezvous store on `master_addr:master_port` (default 127.0.0.1: loopback
+    only). Options: see `Settings`. Example, in each of two processes::
+
+        with asyncrpc.init(rank=r, world_size=2, master_port=29600) as ctx:
+            print(asyncrpc.rpc_sync(ctx.names[1 - r], str.upper, args=("hi",)))
+    """
+    settings = Settings.from_options(options)
+    rank = rank if rank is not None else _from_env("RANK")
+    if rank is None:
+        raise ValueError("init() needs rank=..., or a RANK environment variable")
+    env_world = _from_env("WORLD_SIZE")
+    asked = resolve_world_size(world_size, roles)
+    if asked is not None and env_world is not None and asked != env_world:
+        raise WorldSizeMismatchError(
+            f"the program asks for world_size={asked} but the launcher started "
+            f"WORLD_SIZE={env_world} workers; launch with --nproc-per-node {asked} "
+            f"(per node), or drop world_size= to take the launcher's"
+        )
+    size = asked if asked is not None else env_world
+    if size is None:
+        raise ValueError("init() needs world_size=..., or a WORLD_SIZE environment variable")
+    if not 0 <= rank < size:
+        raise ValueError(f"rank must be in 0..{size - 1} for world_size={size}, got {rank}")
+    addr = master_addr or os.environ.get("MASTER_ADDR") or _LOOPBACK
+    port = master_port if master_port is not None else _from_env("MASTER_PORT")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    hosts = rank == 0 and not agent_store
+    if port is None or (port == 0 and not hosts):
+        raise ValueError(
+            "init() needs master_port=..., or a MASTER_PORT environment variable: the "
+            "port where rank 0 hosts the rendezvous store"
+        )
+    worker_name = name or names_for(size, roles)[rank]
+    return start(rank, size, worker_name, addr, port, settings, roles=roles, hosts_store=hosts)
+
+
+def start(
+    rank: int,
+    world_size: int,
+    name: str,
+    master_addr: str,
+    master_port: int,
+    settings: Settings,
+    *,
+    roles: Mapping[str, int] | None = None,
+    hosts_store: bool,
+) -> Context:
+    """Start RPC with everything resolved; `init` and `run` both end here."""
+    global _world, _was_shut_down
+    with _lock:
+        if _world is not None:
+            raise AsyncRPCError(
+                f"this process already runs RPC as {_world.context.name!r}; "
+                f"call asyncrpc.shutdown() before starting another world"
+            )
+        if hosts_store:
+            store = _rendezvous.host_store(master_addr, master_port, settings.init_timeout)
+        else:
+            store = _rendezvous.client_store(master_addr, master_port, settings.init_timeout)
+        tag = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+        names = _rendezvous.agree(store, rank, world_size, name, settings.init_timeout, tag)
+        context = Context(rank, world_size, name, names, tuple((roles or {}).items()))
+        # Peers may call in as soon as the agent starts, before init_rpc returns
+        # here: the world must already be visible to the functions they run.
+        _world = _World(context, store)
+        try:
+            _start_agent(context, master_addr, store, settings)
+        except BaseException:
+            _world = None
+            raise
+        _was_shut_down = False
+        return context
+
+
+def _start_agent(ctx: Context, master_addr: str, store: Store, settings: Settings) -> None:
+    _bind_interface(master_addr, ctx.world_size, settings.interface)
+    _set_intra_op_threads(ctx.world_size, settings.intra_op_threads)
+    options = rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=settings.num_worker_threads,
+        rpc_timeout=settings.rpc_timeout,
+        init_method=_rendezvous.hand_off(store, ctx.rank, ctx.world_size),
+        _transports=list(settings.transports) if settings.transports else None,
+        _channels=list(settings.channels) if settings.channels else None,
+    )
+    with warnings.catch_warnings():
+        # torch's agent set-up uses a Gloo backend internally and warns about it.
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        rpc.init_rpc(  # type: ignore[no-untyped-call]
+            ctx.name, rank=ctx.rank, world_size=ctx.world_size, rpc_backend_options=options
+        )
+
+
+def single_node(master_addr: str, world_size: int) -> bool:
+    """True when every worker of the world runs on this machine."""
+    local = _from_env("LOCAL_WORLD_SIZE")
+    if local is not None:
+        return local == world_size
+    return _net.is_loopback(master_addr)
+
+
+def _bind_interface(master_addr: str, world_size: int, interface: str | None) -> None:
+    # TensorPipe reads TP_SOCKET_IFNAME when the agent starts; without it, it
+    # binds the address its hostname resolves to, reachable from the network.
+    chosen = interface or os.environ.get("ASYNCRPC_INTERFACE")
+    if chosen is None and "TP_SOCKET_IFNAME" in os.environ:
+        return
+    if chosen is None:
+        if single_node(master_addr, world_size):
+            chosen = _net.interface_for(_LOOPBACK)
+        else:
+            chosen = _net.interface_for(_net.local_address_towards(master_addr, 0))
+    if chosen is None:
+        raise AsyncRPCError(
+            f"could not find the network interface to bind for master {master_addr!r}; "
+            f"pass interface='eth0' (or set ASYNCRPC_INTERFACE) with the interface name"
+        )
+    if chosen not in {n for _, n in socket.if_nameindex()}:
+        raise ValueError(
+            f"interface {chosen!r} does not exist on this host; choose one of "
+            f"{sorted(n for _, n in socket.if_nameindex())}"
+        )
+    os.environ["TP_SOCKET_IFNAME"] = chosen
+
+
+def _set_intra_op_threads(world_size: int, wanted: int | None) -> None:
+    if wanted is None:
+        env = _from_env("ASYNCRPC_INTRA_OP_THREADS")
+        local = _from_env("LOCAL_WORLD_SIZE") or world_size
+        wanted = env or max(1, len(os.sched_getaffinity(0)) // max(1, local))
+    torch.set_num_threads(wanted)
+
+
+def shutdown(graceful: bool = True, timeout: float = 0) -> None:
+    """Leave the RPC world; with `graceful`, first wait for every worker's pending work.
+
+    Does nothing when no world is running. Example::
+
+        ctx = asyncrpc.init()
+        try:
+            ...
+        finally:
+            asyncrpc.shutdown()
+    """
+    global _world, _was_shut_down
+    with _lock:
+        if _world is None:
+            return
+        try:
+            # A graceful shutdown still serves peers' calls while it waits, so the
+            # world stays visible to them (current_context, call checks) until it ends.
+            rpc.shutdown(graceful=graceful, timeout=timeout)
+        finally:
+            _world = None
+            _was_shut_down = True
+
+
+def is_running() -> bool:
+    """True while this process is part of a running world."""
+    return _world is not None
+
+
+def known_names() -> Sequence[str]:
+    """Names of the running world (for argument checks), or raise NotInitializedError."""
+    return current_context().names

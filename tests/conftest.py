@@ -1,0 +1,69 @@
+"""Shared fixtures: one RPC world for the whole session, and helpers to run programs.
+
+The `world` fixture makes this pytest process `worker0` of a 3-worker world
+over loopback; `worker1` and `worker2` are helper processes that only serve
+calls until the session ends. Tests that need their own world (failures,
+launchers) run a program from tests/programs in a subprocess instead.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+import asyncrpc
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROGRAMS = pathlib.Path(__file__).resolve().parent / "programs"
+WORLD_SIZE = 3
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _serve(rank: int, port: int) -> None:
+    asyncrpc.init(rank=rank, world_size=WORLD_SIZE, master_port=port, rpc_timeout=30)
+    asyncrpc.shutdown()  # graceful: serves calls until worker0 shuts down too
+
+
+@pytest.fixture(scope="session")
+def world() -> Iterator[asyncrpc.Context]:
+    port = free_port()
+    spawner = multiprocessing.get_context("spawn")
+    helpers = [spawner.Process(target=_serve, args=(r, port)) for r in range(1, WORLD_SIZE)]
+    for proc in helpers:
+        proc.start()
+    ctx = asyncrpc.init(rank=0, world_size=WORLD_SIZE, master_port=port, rpc_timeout=30)
+    yield ctx
+    asyncrpc.shutdown()
+    for proc in helpers:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def run_program(
+    *argv: str, timeout: float = 90, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run a command from the repository root with this interpreter's environment."""
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("TP_SOCKET_IFNAME", None)  # set by this process's own world
+    command = [sys.executable, *argv[1:]] if argv[0] == "python" else list(argv)
+    return subprocess.run(
+        command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def bin_path(name: str) -> str:
+    """A console script installed beside this interpreter (asyncrpc-launch, torchrun)."""
+    return str(pathlib.Path(sys.executable).parent / name)
