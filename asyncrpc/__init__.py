@@ -25,6 +25,15 @@ from ._errors import (
 )
 from ._runtime import Context, Settings, current_context, init, shutdown
 from ._world import run
+from .futures import (
+    as_completed,
+    chain,
+    completed,
+    failed,
+    gather,
+    wait_first,
+    with_timeout,
+)
 
 __version__ = "0.1.0"
 
@@ -39,11 +48,18 @@ __all__ = (
     "UnknownWorkerError",
     "WorkerFailedError",
     "WorldSizeMismatchError",
+    "as_completed",
+    "chain",
+    "completed",
     "current_context",
+    "failed",
+    "gather",
     "init",
     "remote",
     "rpc_async",
     "rpc_sync",
     "run",
     "shutdown",
+    "wait_first",
+    "with_timeout",
 )

@@ -86,7 +86,10 @@ class WorkerFailedError(AsyncRPCError):
             except ValueError:
                 sig = f"signal {-self.exitcode}"
             return f"{who} was killed by {sig}"
-        return f"{who} exited with code {self.exitcode} without a Python traceback"
+        return (
+            f"{who} exited with code {self.exitcode} without a Python traceback; "
+            f"its own output above may say why"
+        )
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.name, self.rank, self.exitcode, self.remote_traceback))

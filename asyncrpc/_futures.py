@@ -1,0 +1,313 @@
+"""Composing torch Futures: chain, gather, wait_first, as_completed, with_timeout.
+
+Every helper returns a new `torch.futures.Future` and completes it from the
+done-callbacks of its inputs, so no thread waits. They use
+`add_done_callback`, not `then`: torch's `then` turns an exception raised in
+a callback into a bare RuntimeError, while here it reaches the caller with
+its own type, and a callback that raises never leaves a Future pending::
+
+    inputs:  fut_a   fut_b   fut_c        (rpc_async, RRef calls, Future())
+               |       |       |   done-callbacks, on whichever thread completes them
+               v       v       v
+             _Settle (first outcome wins, under a lock)
+               |
+    output:  Future  --> .wait() / .then() / await (in async_execution)
+
+Timeouts share one clock thread that sleeps until the nearest deadline; no
+thread is held per Future.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch.futures import Future
+
+__all__ = ["as_completed", "chain", "completed", "failed", "gather", "wait_first", "with_timeout"]
+
+T = TypeVar("T")
+_FutureType = torch._C.Future
+
+
+def completed(value: T) -> Future[T]:
+    """A Future that already holds `value`.
+
+    Example::
+
+        fut = asyncrpc.completed(torch.ones(2))
+        assert fut.done()
+    """
+    fut: Future[T] = Future()
+    fut.set_result(value)
+    return fut
+
+
+def failed(error: BaseException) -> Future[Any]:
+    """A Future that already failed with `error` (its `wait()` raises it, same type).
+
+    Example::
+
+        fut = asyncrpc.failed(KeyError("no such shard"))
+    """
+    if not isinstance(error, BaseException):
+        raise TypeError(
+            f"failed() takes an exception instance, got {type(error).__name__} {error!r:.60}"
+        )
+    fut: Future[Any] = Future()
+    fut.set_exception(error)
+    return fut
+
+
+class _Settle:
+    """Completes `future` once: the first resolve/reject wins, later ones are ignored."""
+
+    def __init__(self) -> None:
+        self.future: Future[Any] = Future()
+        self._lock = threading.Lock()
+        self._done = False
+
+    def _claim(self) -> bool:
+        with self._lock:
+            if self._done:
+                return False
+            self._done = True
+            return True
+
+    def resolve(self, value: object) -> None:
+        if self._claim():
+            self.future.set_result(value)
+
+    def reject(self, error: BaseException) -> None:
+        if self._claim():
+            self.future.set_exception(error)
+
+    def copy(self, source: Future[Any]) -> None:
+        try:
+            value = source.value()
+        except BaseException as exc:
+            self.reject(exc)
+        else:
+            self.resolve(value)
+
+
+def _futures(verb: str, items: Iterable[object]) -> list[Future[Any]]:
+    if isinstance(items, _FutureType):
+        raise TypeError(f"{verb} takes a list of Futures, got one Future; write {verb}([fut])")
+    found = list(items)
+    for i, item in enumerate(found):
+        if not isinstance(item, _FutureType):
+            raise TypeError(
+                f"{verb}: item {i} is a {type(item).__name__}, not a Future; pass what "
+                f"rpc_async returns, or wrap a plain value with asyncrpc.completed(value)"
+            )
+    return found  # type: ignore[return-value]
+
+
+def chain(fut: Future[Any], *fns: Callable[[Any], Any]) -> Future[Any]:
+    """Feed `fut`'s value through `fns` in turn; the first error skips the rest.
+
+    Each function takes the previous value (not a Future) and returns the next
+    value, or a Future whose value is the next one. Example::
+
+        fut = asyncrpc.chain(
+            asyncrpc.rpc_async("worker1", torch.add, args=(x, 1)),
+            lambda y: asyncrpc.rpc_async("worker2", torch.mul, args=(y, 2)),
+            lambda z: z.sum(),
+        )
+    """
+    (fut,) = _futures("chain", [fut])
+    for fn in fns:
+        if not callable(fn):
+            raise TypeError(
+                f"chain: got a {type(fn).__name__} where a callable was expected; pass the "
+                f"function itself: chain(fut, f) rather than chain(fut, f(x))"
+            )
+    out = _Settle()
+
+    def advance(step: int, source: Future[Any]) -> None:
+        try:
+            value = source.value()
+            while step < len(fns):
+                value = fns[step](value)
+                step += 1
+                if isinstance(value, _FutureType):
+                    value.add_done_callback(lambda f, at=step: advance(at, f))
+                    return
+        except BaseException as exc:
+            out.reject(exc)
+        else:
+            out.resolve(value)
+
+    fut.add_done_callback(lambda f: advance(0, f))
+    return out.future
+
+
+def gather(futs: Iterable[Future[Any]]) -> Future[list[Any]]:
+    """A Future of all values, in the order given; fails as soon as one input fails.
+
+    Example::
+
+        futs = [asyncrpc.rpc_async(n, torch.ones, args=((2,),)) for n in ctx.names]
+        values = asyncrpc.gather(futs).wait()
+    """
+    items = _futures("gather", futs)
+    out = _Settle()
+    if not items:
+        out.resolve([])
+        return out.future
+    results: list[Any] = [None] * len(items)
+    remaining = [len(items)]
+    lock = threading.Lock()
+
+    def on_done(index: int, source: Future[Any]) -> None:
+        try:
+            value = source.value()
+        except BaseException as exc:
+            out.reject(exc)
+            return
+        with lock:
+            results[index] = value
+            remaining[0] -= 1
+            finished = remaining[0] == 0
+        if finished:
+            out.resolve(list(results))
+
+    for index, item in enumerate(items):
+        item.add_done_callback(functools.partial(on_done, index))
+    return out.future
+
+
+def wait_first(futs: Iterable[Future[Any]]) -> Future[Future[Any]]:
+    """A Future of the first input Future to complete (with a value or an error).
+
+    Example::
+
+        first = asyncrpc.wait_first([fast, slow]).wait()
+        print(first.wait())
+    """
+    items = _futures("wait_first", futs)
+    if not items:
+        raise ValueError("wait_first needs at least one Future, got none")
+    out = _Settle()
+    for item in items:
+        item.add_done_callback(out.resolve)
+    return out.future
+
+
+def as_completed(
+    futs: Iterable[Future[Any]], timeout: float | None = None
+) -> Iterator[Future[Any]]:
+    """Yield the input Futures as they complete; raise TimeoutError after `timeout` s.
+
+    Example::
+
+        for fut in asyncrpc.as_completed(futs, timeout=30):
+            print(fut.wait())
+    """
+    items = _futures("as_completed", futs)
+    deadline = None if timeout is None else time.monotonic() + _seconds("as_completed", timeout)
+    done: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
+    for item in items:
+        item.add_done_callback(done.put)
+    return _drain(done, len(items), deadline, timeout)
+
+
+def _drain(
+    done: queue.SimpleQueue[Future[Any]], count: int, deadline: float | None, timeout: float | None
+) -> Iterator[Future[Any]]:
+    for yielded in range(count):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            yield done.get(timeout=left)
+        except queue.Empty:
+            raise TimeoutError(
+                f"as_completed: {count - yielded} of {count} Futures still pending after "
+                f"{timeout:g} s"
+            ) from None
+
+
+def _seconds(verb: str, seconds: object) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"{verb}: timeout must be seconds as a number, got {seconds!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(
+            f"{verb}: timeout must be a finite number of seconds >= 0, got {seconds!r}"
+        )
+    return float(seconds)
+
+
+def with_timeout(fut: Future[T], seconds: float) -> Future[T]:
+    """`fut`'s outcome, or a TimeoutError if it takes longer than `seconds`.
+
+    No thread waits: one shared clock thread fails the returned Future at the
+    deadline. The input keeps running; only the returned Future gives up. Example::
+
+        fut = asyncrpc.with_timeout(asyncrpc.rpc_async("worker1", slow), 5.0)
+    """
+    (source,) = _futures("with_timeout", [fut])
+    delay = _seconds("with_timeout", seconds)
+    out = _Settle()
+    alarm = _clock.call_at(
+        time.monotonic() + delay,
+        lambda: out.reject(TimeoutError(f"the Future did not complete within {delay:g} s")),
+    )
+
+    def on_done(f: Future[Any]) -> None:
+        alarm.cancel()
+        out.copy(f)
+
+    source.add_done_callback(on_done)
+    return out.future
+
+
+class _Alarm:
+    def __init__(self, action: Callable[[], None]) -> None:
+        self.action: Callable[[], None] | None = action
+
+    def cancel(self) -> None:
+        self.action = None
+
+
+class _Clock:
+    """One daemon thread that runs actions at deadlines (a heap, one condition)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, _Alarm]] = []
+        self._order = itertools.count()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def call_at(self, deadline: float, action: Callable[[], None]) -> _Alarm:
+        alarm = _Alarm(action)
+        with self._wake:
+            heapq.heappush(self._heap, (deadline, next(self._order), alarm))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="asyncrpc-clock", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
+        return alarm
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    wait = None if not self._heap else self._heap[0][0] - time.monotonic()
+                    self._wake.wait(wait)
+                _, _, alarm = heapq.heappop(self._heap)
+            action = alarm.action
+            if action is not None:
+                action()
+
+
+_clock = _Clock()

@@ -1,0 +1,52 @@
+"""Composing RPC Futures without blocking threads: chain, gather, wait_first, with_timeout.
+
+python examples/futures_tour.py
+"""
+
+import time
+
+import torch
+
+import asyncrpc
+
+
+def slow_add(x: torch.Tensor, y: float, seconds: float) -> torch.Tensor:
+    time.sleep(seconds)
+    return x + y
+
+
+def main(ctx: asyncrpc.Context) -> None:
+    if ctx.rank != 0:
+        return
+    x = torch.ones(2)
+
+    # chain: worker1 adds 1, then worker2 adds 1, then we add 1 locally.
+    chained = asyncrpc.chain(
+        asyncrpc.rpc_async("worker1", slow_add, args=(x, 1, 0.0)),
+        lambda y: asyncrpc.rpc_async("worker2", slow_add, args=(y, 1, 0.0)),
+        lambda z: z + 1,
+    )
+    print("chain:", chained.wait())
+
+    # gather: one value per worker, in the order asked.
+    everyone = [asyncrpc.rpc_async(n, slow_add, args=(x, r, 0.0)) for r, n in enumerate(ctx.names)]
+    print("gather:", [t.tolist() for t in asyncrpc.gather(everyone).wait()])
+
+    # wait_first: whichever replica answers first.
+    replicas = [
+        asyncrpc.rpc_async("worker1", slow_add, args=(x, 10, 0.5)),
+        asyncrpc.rpc_async("worker2", slow_add, args=(x, 20, 0.0)),
+    ]
+    print("wait_first:", asyncrpc.wait_first(replicas).wait().wait())
+
+    # with_timeout: give up on a slow call after 0.1 s (the call itself runs on).
+    slow = asyncrpc.rpc_async("worker1", slow_add, args=(x, 0, 1.0))
+    try:
+        asyncrpc.with_timeout(slow, 0.1).wait()
+    except TimeoutError as exc:
+        print("with_timeout:", exc)
+    asyncrpc.gather([*replicas, slow]).wait()
+
+
+if __name__ == "__main__":
+    asyncrpc.run(main, world_size=3)
