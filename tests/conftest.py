@@ -52,15 +52,31 @@ def world() -> Iterator[asyncrpc.Context]:
             proc.kill()
 
 
+def _program_env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = {**os.environ, **(extra or {})}
+    env.pop("TP_SOCKET_IFNAME", None)  # set by this process's own world
+    return env
+
+
 def run_program(
     *argv: str, timeout: float = 90, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run a command from the repository root with this interpreter's environment."""
-    full_env = {**os.environ, **(env or {})}
-    full_env.pop("TP_SOCKET_IFNAME", None)  # set by this process's own world
     command = [sys.executable, *argv[1:]] if argv[0] == "python" else list(argv)
     return subprocess.run(
-        command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+        command, cwd=ROOT, env=_program_env(env), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def start_program(*argv: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """Start a command from the repository root in the background, capturing its output."""
+    return subprocess.Popen(
+        list(argv),
+        cwd=ROOT,
+        env=_program_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

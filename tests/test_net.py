@@ -7,7 +7,6 @@ import os
 import pathlib
 import socket
 import struct
-import subprocess
 import sys
 import time
 
@@ -15,7 +14,7 @@ import pytest
 
 from asyncrpc import _net
 
-from conftest import PROGRAMS, ROOT, bin_path
+from conftest import PROGRAMS, bin_path, start_program
 from test_world import _wait_for_pids
 
 
@@ -80,16 +79,8 @@ def test_single_node_world_listens_on_loopback_only(
 ) -> None:
     pids_dir, release = tmp_path / "pids", tmp_path / "release"
     pids_dir.mkdir()
-    env = {**os.environ, "PIDS_DIR": str(pids_dir), "RELEASE": str(release)}
-    env.pop("TP_SOCKET_IFNAME", None)
-    proc = subprocess.Popen(
-        [*launcher, str(PROGRAMS / "idle.py")],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    env = {"PIDS_DIR": str(pids_dir), "RELEASE": str(release)}
+    proc = start_program(*launcher, str(PROGRAMS / "idle.py"), env=env)
     try:
         _wait_for_pids(pids_dir, 3)
         time.sleep(0.5)

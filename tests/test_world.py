@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import PROGRAMS, ROOT, bin_path, run_program
+from conftest import PROGRAMS, ROOT, bin_path, run_program, start_program
 
 RING = str(ROOT / "examples" / "ring.py")
 RING_OUTPUT = [
@@ -71,20 +71,12 @@ def _wait_for_pids(pids_dir: pathlib.Path, count: int, timeout: float = 60) -> d
 
 @pytest.mark.timeout(120)
 def test_a_killed_worker_fails_the_run_within_30_s(tmp_path: pathlib.Path) -> None:
-    import subprocess
     import sys
 
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
-    env = {**os.environ, "PIDS_DIR": str(pids_dir)}
-    env.pop("TP_SOCKET_IFNAME", None)
-    proc = subprocess.Popen(
-        [sys.executable, str(PROGRAMS / "busy.py")],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = start_program(
+        sys.executable, str(PROGRAMS / "busy.py"), env={"PIDS_DIR": str(pids_dir)}
     )
     try:
         pids = _wait_for_pids(pids_dir, 3)
