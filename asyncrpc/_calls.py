@@ -10,7 +10,6 @@ at once with a message instead of a remote error or a timeout::
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias, cast
 
@@ -20,6 +19,7 @@ from torch.futures import Future
 
 from . import _runtime
 from ._errors import NotInitializedError, UnknownWorkerError
+from ._futures import check_seconds
 
 __all__ = ["check_call", "remote", "rpc_async", "rpc_sync"]
 
@@ -74,14 +74,7 @@ def _check_target(verb: str, to: object) -> None:
 def _check_timeout(verb: str, timeout: float | None) -> float:
     if timeout is None or timeout == _DEFAULT:
         return _DEFAULT
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{verb}: timeout must be seconds as a number, got {timeout!r}")
-    if not math.isfinite(timeout) or timeout < 0:
-        raise ValueError(
-            f"{verb}: timeout must be a finite number of seconds >= 0 (0: no timeout), "
-            f"got {timeout!r}"
-        )
-    return float(timeout)
+    return check_seconds(verb, timeout, hint=" (0: no timeout)")
 
 
 def rpc_sync(

@@ -214,7 +214,9 @@ def as_completed(
             print(fut.wait())
     """
     items = _futures("as_completed", futs)
-    deadline = None if timeout is None else time.monotonic() + _seconds("as_completed", timeout)
+    deadline = None
+    if timeout is not None:
+        deadline = time.monotonic() + check_seconds("as_completed", timeout)
     done: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
     for item in items:
         item.add_done_callback(done.put)
@@ -235,12 +237,13 @@ def _drain(
             ) from None
 
 
-def _seconds(verb: str, seconds: object) -> float:
+def check_seconds(verb: str, seconds: object, hint: str = "") -> float:
+    """A timeout in seconds as a float, or a TypeError/ValueError saying what was wrong."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         raise TypeError(f"{verb}: timeout must be seconds as a number, got {seconds!r}")
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(
-            f"{verb}: timeout must be a finite number of seconds >= 0, got {seconds!r}"
+            f"{verb}: timeout must be a finite number of seconds >= 0{hint}, got {seconds!r}"
         )
     return float(seconds)
 
@@ -254,7 +257,7 @@ def with_timeout(fut: Future[T], seconds: float) -> Future[T]:
         fut = asyncrpc.with_timeout(asyncrpc.rpc_async("worker1", slow), 5.0)
     """
     (source,) = _futures("with_timeout", [fut])
-    delay = _seconds("with_timeout", seconds)
+    delay = check_seconds("with_timeout", seconds)
     out = _Settle()
     alarm = _clock.call_at(
         time.monotonic() + delay,
