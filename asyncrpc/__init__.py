@@ -15,7 +15,9 @@ Example::
 from ._calls import remote, rpc_async, rpc_sync
 from ._errors import (
     AsyncRPCError,
+    AwaitedNonFutureError,
     DuplicateNameError,
+    NotAFutureError,
     NotInitializedError,
     PortInUseError,
     RendezvousError,
@@ -23,6 +25,7 @@ from ._errors import (
     WorkerFailedError,
     WorldSizeMismatchError,
 )
+from ._execution import async_execution
 from ._runtime import Context, Settings, current_context, init, shutdown
 from ._world import run
 from .futures import (
@@ -39,8 +42,10 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AsyncRPCError",
+    "AwaitedNonFutureError",
     "Context",
     "DuplicateNameError",
+    "NotAFutureError",
     "NotInitializedError",
     "PortInUseError",
     "RendezvousError",
@@ -49,6 +54,7 @@ __all__ = (
     "WorkerFailedError",
     "WorldSizeMismatchError",
     "as_completed",
+    "async_execution",
     "chain",
     "completed",
     "current_context",

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 __all__ = [
     "AsyncRPCError",
+    "AwaitedNonFutureError",
     "DuplicateNameError",
+    "NotAFutureError",
     "NotInitializedError",
     "PortInUseError",
     "RendezvousError",
@@ -55,6 +57,17 @@ class UnknownWorkerError(AsyncRPCError, LookupError):
 
 class NotInitializedError(AsyncRPCError, RuntimeError):
     """RPC was used outside a running world (before init or after shutdown)."""
+
+
+class NotAFutureError(AsyncRPCError, RuntimeError):
+    """An `async_execution` function returned something that is not a torch Future.
+
+    A RuntimeError, the type torch's own decorator raises for a wrong return.
+    """
+
+
+class AwaitedNonFutureError(AsyncRPCError, TypeError):
+    """An `async_execution` coroutine awaited something that is not a torch Future."""
 
 
 class WorkerFailedError(AsyncRPCError):

@@ -1,0 +1,272 @@
+"""`async_execution`: remote functions that return a Future, or are `async def`.
+
+A callee thread that blocks on a nested RPC is lost until the reply comes;
+with every RPC thread blocked that way the callee deadlocks. An
+`async_execution` function instead hands torch a Future and returns at once;
+torch sends the reply when that Future completes::
+
+    caller            callee (worker1)                            worker2
+    rpc_async ----->  f(...) runs on an RPC thread
+                        async def: runs until `await fut` -------> nested call
+                        returns Future `out`; the thread is free
+                      ... reply from worker2 completes `fut`  <--
+                        its done-callback resumes the coroutine
+                        return value -> `out` completes
+    result    <-----  torch sends `out`'s value
+
+Failures travel as torch's `RemoteException` value (message: worker, repr,
+traceback), exactly like a synchronous function that raised; locally the
+Future's `wait()` raises instead.
+
+Importing asyncrpc makes torch Futures awaitable (`await fut`): inside an
+`async_execution` coroutine the coroutine is suspended until the Future is
+done; under a running asyncio loop the Future is bridged to that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import threading
+import traceback
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, TypeVar, cast
+
+import torch
+from torch.distributed.rpc.internal import RemoteException
+from torch.futures import Future
+
+from ._errors import AwaitedNonFutureError, NotAFutureError
+
+__all__ = ["async_execution"]
+
+F = TypeVar("F")
+
+_AWAITABLES = (
+    "rpc_async(...), rref.rpc_async().method(...), fut.then(...) or torch.futures.Future()"
+)
+
+
+def async_execution(fn: F) -> F:
+    """Mark a function whose result arrives later, so that no RPC thread waits for it.
+
+    A drop-in for `torch.distributed.rpc.functions.async_execution`: `fn` may
+    return a torch Future (from `rpc_async`, `then`, `Future()`), or be an
+    `async def` that awaits torch Futures. Works on functions, methods
+    (through RRef proxies too), `staticmethod`/`classmethod` in either
+    decorator order, and `@torch.jit.script` functions returning
+    `Future[T]` (this decorator outermost).
+
+    Example::
+
+        @asyncrpc.async_execution
+        async def add_chained(to, x, y, z):
+            s = await asyncrpc.rpc_async(to, torch.add, args=(x, y))
+            return s + z
+
+        asyncrpc.rpc_sync("worker1", add_chained, args=("worker2", torch.ones(2), 1, 1))
+        # tensor([3., 3.])
+    """
+    if isinstance(fn, (staticmethod, classmethod)):
+        return cast(F, type(fn)(async_execution(fn.__func__)))
+    if isinstance(fn, torch.jit.ScriptFunction):
+        wrapper = _wrap_script(fn)
+    elif inspect.iscoroutinefunction(fn):
+        wrapper = _wrap_coroutine(fn)
+    elif callable(fn):
+        wrapper = _wrap_returning_future(fn)
+    else:
+        raise TypeError(
+            f"async_execution expects a function, got {type(fn).__name__} {fn!r}; "
+            f"decorate the def itself: @asyncrpc.async_execution above `def` or `async def`"
+        )
+    wrapper._wrapped_async_rpc_function = fn  # type: ignore[attr-defined]
+    return cast(F, wrapper)
+
+
+def _wrap_script(fn: torch.jit.ScriptFunction[Any, Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _wrap_returning_future(fn: Callable[..., Any]) -> Callable[..., Future[Any]]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Future[Any]:
+        fut = fn(*args, **kwargs)
+        if not isinstance(fut, torch._C.Future):
+            raise NotAFutureError(
+                f"Functions decorated with @rpc.async_function must return a "
+                f"torch.futures.Future object, but {_name(fn)} returned "
+                f"{type(fut).__name__} {_short(fut)}; return {_AWAITABLES}, "
+                f"or write it as `async def` and return the value"
+            )
+        # torch's Future.set_exception stores the error as the Future's value, so
+        # the callee would send it back as a normal result; surface it as an error.
+        out = fut.then(_capture_outcome)
+        out._set_unwrap_func(_raise_captured)
+        return cast(Future[Any], out)
+
+    return wrapper
+
+
+def _wrap_coroutine(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Future[Any]]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Future[Any]:
+        out: Future[Any] = Future()
+        out._set_unwrap_func(_raise_captured)
+        _Task(fn(*args, **kwargs), out, _name(fn)).step()
+        return out
+
+    return wrapper
+
+
+class _Task:
+    """Drives one coroutine: each awaited torch Future resumes it from its done-callback."""
+
+    __slots__ = ("_coro", "_name", "_out")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], out: Future[Any], name: str) -> None:
+        self._coro = coro
+        self._out = out
+        self._name = name
+
+    def step(self, error: BaseException | None = None) -> None:
+        outer, _driving.active = getattr(_driving, "active", False), True
+        try:
+            awaited = self._coro.throw(error) if error else self._coro.send(None)
+        except StopIteration as stop:
+            self._out.set_result(stop.value)
+            return
+        except BaseException as exc:  # every failure must reach the caller
+            self._out.set_result(_as_remote(self._explain(exc)))
+            return
+        finally:
+            _driving.active = outer
+        if isinstance(awaited, torch._C.Future):
+            awaited.add_done_callback(self._resume)
+        else:
+            self.step(self._not_a_future(awaited))
+
+    def _resume(self, _: Future[Any]) -> None:
+        self.step()
+
+    def _not_a_future(self, awaited: object) -> AwaitedNonFutureError:
+        what = "an asyncio Future" if asyncio.isfuture(awaited) else _short(awaited)
+        return AwaitedNonFutureError(
+            f"{self._name} awaited {what}, which RPC threads cannot wait for (they run "
+            f"no event loop); await a torch Future instead: {_AWAITABLES}"
+        )
+
+    def _explain(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, TypeError) and "can't be used in 'await' expression" in str(exc):
+            err = AwaitedNonFutureError(
+                f"{self._name}: {exc}; only torch Futures can be awaited here: {_AWAITABLES}"
+            )
+            err.__cause__ = exc
+            return err
+        if isinstance(exc, RuntimeError) and "no running event loop" in str(exc):
+            err = AwaitedNonFutureError(
+                f"{self._name}: asyncio needs an event loop, and RPC threads run no event loop "
+                f"({exc}); await a torch Future instead: {_AWAITABLES}"
+            )
+            err.__cause__ = exc
+            return err
+        return exc
+
+
+def _capture_outcome(fut: Future[Any]) -> Any:
+    try:
+        return fut.wait()
+    except Exception as exc:
+        return _as_remote(exc)
+
+
+class _Captured(RemoteException):
+    """A failure as torch sends it (`RemoteException`), keeping the exception for local waits."""
+
+    error: BaseException
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RemoteException, (self.msg, self.exception_type))
+
+
+def _as_remote(exc: BaseException) -> RemoteException:
+    tb = "".join(traceback.format_exception(exc))
+    captured = _Captured(f"On {_where()}:\n{exc!r}\n{tb}", type(exc))
+    captured.error = exc
+    return captured
+
+
+def _raise_captured(value: Any) -> Any:
+    if isinstance(value, _Captured):
+        raise value.error
+    if isinstance(value, RemoteException):
+        raise value.exception_type(value.msg)
+    return value
+
+
+def _where() -> str:
+    from ._runtime import current_context, is_running
+
+    if is_running():
+        ctx = current_context()
+        return f"worker {ctx.name!r} (rank {ctx.rank})"
+    return "this process"
+
+
+def _name(fn: object) -> str:
+    return f"{getattr(fn, '__qualname__', fn)}()"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---- making torch Futures awaitable --------------------------------------------------
+
+_driving = threading.local()
+
+
+def _await_future(fut: Future[Any]) -> Generator[Any, None, Any]:
+    if not fut.done():
+        loop = None if getattr(_driving, "active", False) else _running_loop()
+        if loop is None:
+            yield fut  # an async_execution _Task resumes us when fut is done
+        else:
+            yield from _bridge(fut, loop)
+    return fut.wait()
+
+
+def _bridge(fut: Future[Any], loop: asyncio.AbstractEventLoop) -> Generator[Any, None, None]:
+    waiter = loop.create_future()
+
+    def wake() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    def on_done(_: Future[Any]) -> None:
+        loop.call_soon_threadsafe(wake)
+
+    fut.add_done_callback(on_done)
+    yield from waiter
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _install_await() -> None:
+    """Give torch Futures an `__await__` (once; kept if torch ever ships its own)."""
+    if not hasattr(torch._C.Future, "__await__"):
+        torch._C.Future.__await__ = _await_future  # type: ignore[attr-defined]
+
+
+_install_await()
