@@ -12,10 +12,11 @@ Example::
         asyncrpc.run(main, world_size=2)
 """
 
-from ._calls import remote, rpc_async, rpc_sync
+from ._calls import rpc_async, rpc_sync
 from ._errors import (
     AsyncRPCError,
     AwaitedNonFutureError,
+    CallTimeoutError,
     DuplicateNameError,
     NotAFutureError,
     NotInitializedError,
@@ -23,9 +24,11 @@ from ._errors import (
     RendezvousError,
     UnknownWorkerError,
     WorkerFailedError,
+    WorkerUnreachableError,
     WorldSizeMismatchError,
 )
 from ._execution import async_execution
+from ._remote import RemoteModule, RemoteObject, call_all, remote
 from ._runtime import Context, Settings, current_context, init, shutdown
 from ._world import run
 from .futures import (
@@ -43,18 +46,23 @@ __version__ = "0.1.0"
 __all__ = (
     "AsyncRPCError",
     "AwaitedNonFutureError",
+    "CallTimeoutError",
     "Context",
     "DuplicateNameError",
     "NotAFutureError",
     "NotInitializedError",
     "PortInUseError",
+    "RemoteModule",
+    "RemoteObject",
     "RendezvousError",
     "Settings",
     "UnknownWorkerError",
     "WorkerFailedError",
+    "WorkerUnreachableError",
     "WorldSizeMismatchError",
     "as_completed",
     "async_execution",
+    "call_all",
     "chain",
     "completed",
     "current_context",

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "AsyncRPCError",
     "AwaitedNonFutureError",
+    "CallTimeoutError",
     "DuplicateNameError",
     "NotAFutureError",
     "NotInitializedError",
@@ -18,6 +19,7 @@ __all__ = [
     "RendezvousError",
     "UnknownWorkerError",
     "WorkerFailedError",
+    "WorkerUnreachableError",
     "WorldSizeMismatchError",
 ]
 
@@ -68,6 +70,31 @@ class NotAFutureError(AsyncRPCError, RuntimeError):
 
 class AwaitedNonFutureError(AsyncRPCError, TypeError):
     """An `async_execution` coroutine awaited something that is not a torch Future."""
+
+
+class WorkerUnreachableError(AsyncRPCError, ConnectionError):
+    """A call could not reach its worker, or the connection broke (the worker has died).
+
+    Attribute `name`: the worker that was called.
+    """
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.name))
+
+
+class CallTimeoutError(AsyncRPCError, TimeoutError):
+    """A call did not complete within its timeout. Attribute `name`: the worker called."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.name))
 
 
 class WorkerFailedError(AsyncRPCError):

@@ -1,0 +1,220 @@
+"""Handles to remote objects and modules: verbs, timeouts, lifetime, training, a dead owner."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch.distributed.optim import DistributedOptimizer
+
+import asyncrpc
+from asyncrpc import rpc_async
+
+from conftest import PROGRAMS, ROOT, run_program
+
+_live: set[int] = set()  # ids of Counters alive in this process (read on the owner)
+_live_lock = threading.Lock()
+
+
+class Counter:
+    kind = "counter"
+
+    def __init__(self, start: int = 0, *, step: int = 1) -> None:
+        self.value = start
+        self.step = step
+        with _live_lock:
+            _live.add(id(self))
+
+    def __del__(self) -> None:
+        with _live_lock:
+            _live.discard(id(self))
+
+    def add(self, n: int = 1) -> int:
+        self.value += n * self.step
+        return self.value
+
+    def where(self) -> str:
+        return asyncrpc.current_context().name
+
+    def slow(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.value
+
+    def fail(self) -> None:
+        raise KeyError("no such key")
+
+    def check(self, seconds: float) -> int:
+        if self.value < 0:
+            raise KeyError("no such key")
+        time.sleep(seconds)
+        return self.value
+
+    @asyncrpc.async_execution
+    def add_via(self, to: str, n: int) -> torch.futures.Future[int]:
+        return rpc_async(to, int, args=(n,)).then(lambda fut: self.add(fut.wait()))
+
+    @asyncrpc.async_execution
+    async def add_awaiting(self, to: str, n: int) -> int:
+        return self.add(await rpc_async(to, int, args=(n,)))
+
+
+def live_counters() -> int:
+    gc.collect()
+    with _live_lock:
+        return len(_live)
+
+
+# ---- verbs -----------------------------------------------------------------------------
+
+
+def test_call_call_async_and_call_remote(world: asyncrpc.Context) -> None:
+    counter = asyncrpc.remote("worker1", Counter, 10, step=2)
+    assert isinstance(counter, asyncrpc.RemoteObject)
+    assert counter.owner == "worker1"
+    assert counter.call("where") == "worker1"
+    assert counter.call("add") == 12
+    assert counter.call_async("add", 2).wait() == 16
+    rref = counter.call_remote("add", 1)
+    assert rref.owner().name == "worker1"
+    assert rref.to_here() == 18
+    assert counter.to_here().value == 18  # a copy of the object itself
+
+
+def test_async_execution_methods_run_on_the_owner(world: asyncrpc.Context) -> None:
+    counter = asyncrpc.remote("worker1", Counter)
+    assert counter.call("add_via", "worker2", 5) == 5
+    assert counter.call_async("add_awaiting", "worker2", 5).wait() == 10
+    assert counter.call_remote("add_awaiting", "worker2", 1).to_here() == 11
+
+
+def test_rref_style_proxies_still_work(world: asyncrpc.Context) -> None:
+    counter = asyncrpc.remote("worker2", Counter, args=(3,))  # torch-style arguments
+    assert counter.rpc_sync().add(1) == 4
+    assert counter.rpc_async().add(1).wait() == 5
+    assert counter.remote().add(1).to_here() == 6
+
+
+def test_each_verb_takes_a_timeout(world: asyncrpc.Context) -> None:
+    counter = asyncrpc.remote("worker1", Counter)
+    with pytest.raises(
+        asyncrpc.CallTimeoutError, match=r"Counter.slow\(\) on worker 'worker1' timed"
+    ):
+        counter.call("slow", 2.0, timeout=0.3)
+    with pytest.raises(asyncrpc.CallTimeoutError, match="worker1"):
+        counter.call_async("slow", 2.0, timeout=0.3).wait()
+    with pytest.raises(RuntimeError, match="timeout"):
+        counter.call_remote("slow", 2.0).to_here(timeout=0.3)
+    with pytest.raises(ValueError, match=r"-2"):
+        counter.call("add", timeout=-2)
+    assert counter.call("slow", 0.0, timeout=5) == 0
+
+
+def test_remote_errors_keep_their_cause(world: asyncrpc.Context) -> None:
+    counter = asyncrpc.remote("worker1", Counter)
+    with pytest.raises(Exception, match="no such key"):
+        counter.call("fail")
+    with pytest.raises(Exception, match="no such key"):
+        counter.call_async("fail").wait()
+
+
+def test_a_wrong_method_name_suggests_the_closest(world: asyncrpc.Context) -> None:
+    counter = asyncrpc.remote("worker1", Counter)
+    with pytest.raises(AttributeError, match=r"Counter has no method 'ad'; did you mean 'add'"):
+        counter.call("ad")
+    with pytest.raises(AttributeError, match="attribute, not a method"):
+        counter.call("kind")
+
+
+def test_remote_with_a_function_is_torchs_remote(world: asyncrpc.Context) -> None:
+    rref = asyncrpc.remote("worker2", torch.ones, args=((2,),))
+    assert torch.equal(rref.to_here(), torch.ones(2))
+    with pytest.raises(TypeError, match=r"takes args=\(\.\.\.\).*got keyword 'x'"):
+        asyncrpc.remote("worker2", torch.ones, x=1)
+
+
+def test_call_all_keeps_order_and_fails_fast(world: asyncrpc.Context) -> None:
+    handles = [asyncrpc.remote(name, Counter, i) for i, name in enumerate(world.names)]
+    assert asyncrpc.call_all(handles, "where").wait() == list(world.names)
+    assert asyncrpc.call_all(handles, "add", 10).wait() == [10, 11, 12]
+    slow_then_failing = [handles[1], asyncrpc.remote("worker2", Counter, -1)]
+    started = time.monotonic()
+    with pytest.raises(Exception, match="no such key"):
+        asyncrpc.call_all(slow_then_failing, "check", 3.0).wait()
+    assert time.monotonic() - started < 2.5  # did not wait for the slow call
+    with pytest.raises(TypeError, match="expects handles"):
+        asyncrpc.call_all(["worker1"], "add")  # type: ignore[list-item]
+
+
+# ---- lifetime ----------------------------------------------------------------------------
+
+
+def test_the_object_is_released_with_its_last_handle(world: asyncrpc.Context) -> None:
+    before = asyncrpc.rpc_sync("worker2", live_counters)
+    counter = asyncrpc.remote("worker2", Counter)
+    counter.call("add")
+    assert asyncrpc.rpc_sync("worker2", live_counters) == before + 1
+    del counter
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while asyncrpc.rpc_sync("worker2", live_counters) != before:
+        assert time.monotonic() < deadline, "the remote Counter was never released"
+        time.sleep(0.05)
+
+
+@pytest.mark.subprocess
+def test_calling_a_handle_whose_owner_died_names_the_owner() -> None:
+    result = run_program("python", str(PROGRAMS / "dead_owner.py"), timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "WorkerUnreachableError: worker 'worker2' cannot be reached" in result.stdout
+    assert "in flight: WorkerUnreachableError" in result.stdout
+    assert "survivor still serves: worker1" in result.stdout
+
+
+# ---- modules -------------------------------------------------------------------------------
+
+
+def test_remote_module_forward_sync_and_async(world: asyncrpc.Context) -> None:
+    torch.manual_seed(0)
+    local = torch.nn.Linear(4, 2)
+    net = asyncrpc.remote("worker1", torch.nn.Linear, 4, 2)
+    assert isinstance(net, asyncrpc.RemoteModule)
+    net.call("load_state_dict", local.state_dict())
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        expected = local(x)
+    assert torch.allclose(net(x), expected)
+    assert torch.allclose(net.forward_async(x).wait(), expected)
+    assert len(net.parameter_rrefs()) == 2
+
+
+def test_training_through_a_remote_module_lowers_the_loss(world: asyncrpc.Context) -> None:
+    torch.manual_seed(0)
+    net = asyncrpc.remote("worker2", torch.nn.Linear, 3, 1)
+    opt = DistributedOptimizer(torch.optim.SGD, net.parameter_rrefs(), lr=0.1)
+    true_w = torch.tensor([[1.0, -2.0, 0.5]])
+    losses: list[float] = []
+    for _ in range(40):
+        x = torch.randn(32, 3)
+        y = x @ true_w.T
+        with dist_autograd.context() as ctx_id:
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            dist_autograd.backward(ctx_id, [loss])
+            opt.step(ctx_id)
+        losses.append(loss.item())
+    assert losses[-1] < 0.05 * losses[0], losses
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(("mode", "steps"), [("batched", 60), ("immediate", 180)])
+def test_parameter_server_example_trains(mode: str, steps: int) -> None:
+    example = str(ROOT / "examples" / "parameter_server.py")
+    result = run_program("python", example, "--rounds", "60", "--mode", mode)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert f"{mode}: " in summary and f"{steps} optimizer steps" in summary, summary
+    first, last = (float(v) for v in summary.split("loss ")[1].split(",")[0].split(" -> "))
+    assert last < 0.6 * first, result.stdout  # immediate updates are noisier
