@@ -160,6 +160,18 @@ async def awaits_asyncio_yield() -> None:
     await asyncio.sleep(0)
 
 
+def sleepy(seconds: float) -> float:
+    import time
+
+    time.sleep(seconds)
+    return seconds
+
+
+@asyncrpc.async_execution
+async def awaits_with_timeout(to: str, seconds: float, limit: float) -> float:
+    return await asyncrpc.with_timeout(rpc_async(to, sleepy, args=(seconds,)), limit)
+
+
 @asyncrpc.async_execution
 async def awaits_remote_failure(to: str) -> str:
     try:
@@ -282,6 +294,19 @@ def test_async_def_exception_keeps_type_message_and_traceback(world: asyncrpc.Co
         asyncrpc.remote("worker1", awaits_then_raises, args=("worker2",)).to_here()
     with pytest.raises(ValueError, match="bad shard 7"):  # and so does a local call
         awaits_then_raises("worker2").wait()
+
+
+def test_a_timeout_firing_inside_an_async_def_reaches_the_caller(world: asyncrpc.Context) -> None:
+    assert asyncrpc.rpc_sync("worker1", awaits_with_timeout, args=("worker2", 0.0, 5.0)) == 0.0
+    with pytest.raises(
+        RuntimeError, match=r"(?s)TimeoutError: On worker 'worker1'.*within 0\.2 s"
+    ):
+        asyncrpc.rpc_sync("worker1", awaits_with_timeout, args=("worker2", 2.0, 0.2))
+    call_timeout = asyncrpc.rpc_async(
+        "worker1", awaits_with_timeout, args=("worker2", 2.0, 9.0), timeout=0.3
+    )
+    with pytest.raises(RuntimeError, match="timeout"):
+        call_timeout.wait()
 
 
 def test_an_awaited_remote_failure_can_be_caught(world: asyncrpc.Context) -> None:
