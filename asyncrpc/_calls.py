@@ -30,6 +30,7 @@ __all__ = [
     "call_async",
     "call_sync",
     "check_call",
+    "check_timeout",
     "explain_failure",
     "remote_function",
     "rpc_async",
@@ -60,7 +61,7 @@ def check_call(
         )
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"{verb}: kwargs must be a dict, got {type(kwargs).__name__}")
-    return _check_timeout(verb, timeout)
+    return check_timeout(verb, timeout)
 
 
 def _check_target(verb: str, to: object) -> None:
@@ -84,7 +85,8 @@ def _check_target(verb: str, to: object) -> None:
         )
 
 
-def _check_timeout(verb: str, timeout: float | None) -> float:
+def check_timeout(verb: str, timeout: float | None) -> float:
+    """A timeout in torch's terms: None (or torch's -1) means the world's default."""
     if timeout is None or timeout == _DEFAULT:
         return _DEFAULT
     return check_seconds(verb, timeout, hint=" (0: no timeout)")

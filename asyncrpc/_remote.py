@@ -119,19 +119,19 @@ class RemoteObject(Generic[T]):
 
     def to_here(self, timeout: float | None = None) -> T:
         """A copy of the remote object, fetched to this worker."""
-        return self.rref.to_here(timeout=_timeout(timeout))
+        return self.rref.to_here(timeout=_calls.check_timeout("timeout", timeout))
 
     def rpc_sync(self, timeout: float | None = None) -> Any:
         """torch's RRef proxy: `h.rpc_sync().method(*args)` (same as `h.call`)."""
-        return self.rref.rpc_sync(timeout=_timeout(timeout))
+        return self.rref.rpc_sync(timeout=_calls.check_timeout("timeout", timeout))
 
     def rpc_async(self, timeout: float | None = None) -> Any:
         """torch's RRef proxy: `h.rpc_async().method(*args)` gives a Future."""
-        return self.rref.rpc_async(timeout=_timeout(timeout))
+        return self.rref.rpc_async(timeout=_calls.check_timeout("timeout", timeout))
 
     def remote(self, timeout: float | None = None) -> Any:
         """torch's RRef proxy: `h.remote().method(*args)` gives an RRef."""
-        return self.rref.remote(timeout=_timeout(timeout))
+        return self.rref.remote(timeout=_calls.check_timeout("timeout", timeout))
 
     def _invoker(self, method: str) -> Any:
         attr = getattr(self.cls, method, None)
@@ -279,11 +279,3 @@ def call_all(
                 f"{type(h).__name__} {h!r:.60}"
             )
     return gather([h.call_async(method, *args, timeout=timeout, **kwargs) for h in items])
-
-
-def _timeout(timeout: float | None) -> float:
-    if timeout is None:
-        return float(rpc.constants.UNSET_RPC_TIMEOUT)
-    from ._futures import check_seconds
-
-    return check_seconds("timeout", timeout, hint=" (0: no timeout)")
