@@ -154,8 +154,7 @@ def call_async(
     label: object,
 ) -> Future[Any]:
     """rpc_async, with `label` naming the call in errors (a handle's method, say)."""
-    seconds = check_call("rpc_async", to, fn, args, kwargs, timeout)
-    fut = rpc.rpc_async(to, fn, args=_tuple(args), kwargs=kwargs, timeout=seconds)
+    fut = rpc_async(to, fn, args, kwargs, timeout)
     out: Future[Any] = Future()
 
     def settle(done: Future[Any]) -> None:
