@@ -13,6 +13,7 @@ Example::
 """
 
 from ._calls import rpc_async, rpc_sync
+from ._ensemble import Ensemble
 from ._errors import (
     AsyncRPCError,
     AwaitedNonFutureError,
@@ -28,6 +29,7 @@ from ._errors import (
     WorldSizeMismatchError,
 )
 from ._execution import async_execution
+from ._fanout import Fanout, fanout
 from ._remote import RemoteModule, RemoteObject, call_all, remote
 from ._runtime import Context, Settings, current_context, init, shutdown
 from ._world import run
@@ -49,6 +51,8 @@ __all__ = (
     "CallTimeoutError",
     "Context",
     "DuplicateNameError",
+    "Ensemble",
+    "Fanout",
     "NotAFutureError",
     "NotInitializedError",
     "PortInUseError",
@@ -67,6 +71,7 @@ __all__ = (
     "completed",
     "current_context",
     "failed",
+    "fanout",
     "gather",
     "init",
     "remote",

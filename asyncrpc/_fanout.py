@@ -1,0 +1,348 @@
+"""Local fan-out: run several callables or modules in parallel inside one process.
+
+`Fanout` owns the engines and the thread budget; `fanout` is its one-shot form.
+
+    caller thread                      engine
+    Fanout(members)(x) ──┬── "threads": a pool of `threads` Python threads,
+                         │    each with `intra` intra-op threads; torch ops
+                         │    release the GIL, so eager modules overlap
+                         ├── "fork":    one TorchScript driver forks every
+                         │    member (torch.jit.fork runs in parallel only
+                         │    inside TorchScript) and waits for them all
+                         └── "serial":  one after the other
+    results, in member order  <──┘
+
+Budget: inter-op width x intra-op threads fits the intra-op threads this
+process had when the `Fanout` was made (asyncrpc gives each worker its share
+of the cores), so N members never oversubscribe the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch.futures import Future
+
+from . import _futures
+
+Engine = Literal["auto", "threads", "fork", "serial"]
+_ENGINES = ("auto", "threads", "fork", "serial")
+
+
+class _ForkDriver(torch.nn.Module):
+    """Forks every member on its own input from inside TorchScript, then waits."""
+
+    def __init__(self, members: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        self.members = torch.nn.ModuleList(members)
+
+    def forward(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        futures = [
+            torch.jit.fork(member, inputs[i])  # type: ignore[no-untyped-call]
+            for i, member in enumerate(self.members)
+        ]
+        return [torch.jit.wait(future) for future in futures]  # type: ignore[no-untyped-call]
+
+
+@contextlib.contextmanager
+def quiet_torchscript(show: bool = False) -> Iterator[None]:
+    """Hide torch's TorchScript deprecation warnings inside the block, unless `show`."""
+    if show:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+        warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated", category=Warning)
+        yield
+
+
+class _Pool:
+    """Daemon threads, each with its own intra-op thread count, fed from one queue."""
+
+    def __init__(self, size: int, intra: int) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]
+        self._jobs = queue.SimpleQueue()
+        ready = threading.Barrier(size + 1)
+        before = torch.get_num_threads()
+        self._threads = [
+            threading.Thread(
+                target=self._serve, args=(intra, ready), name=f"fanout-{i}", daemon=True
+            )
+            for i in range(size)
+        ]
+        for thread in self._threads:
+            thread.start()
+        ready.wait()
+        # torch.set_num_threads also sets the default for threads started later;
+        # put it back from a throwaway thread so this one and the pool keep theirs.
+        restore = threading.Thread(target=torch.set_num_threads, args=(before,))
+        restore.start()
+        restore.join()
+
+    def _serve(self, intra: int, ready: threading.Barrier) -> None:
+        # torch sets up a thread's intra-op count lazily from the process
+        # default on first use; do that first so it cannot undo ours later.
+        torch.get_num_threads()
+        torch.set_num_threads(intra)
+        ready.wait()
+        while (job := self._jobs.get()) is not None:
+            fn, fut = job
+            try:
+                value = fn()
+            except BaseException as error:  # delivered to the caller
+                fut.set_exception(error)
+            else:
+                fut.set_result(value)
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
+class Fanout:
+    """Run `members` in parallel in this process; results come back in member order.
+
+    `engine` is ``"threads"`` (any eager module or function), ``"fork"``
+    (TorchScript `jit.fork`; members are modules taking one Tensor and returning
+    one), ``"serial"``, or ``"auto"``: fork when every member is already a
+    ScriptModule, threads when there are several members and more than one
+    intra-op thread to share, serial otherwise. `threads` is the inter-op width
+    (default: as many as fit); each gets ``budget // threads`` intra-op threads.
+    TorchScript's deprecation warnings stay hidden unless ``show_warnings=True``.
+
+    Example::
+
+        heads = asyncrpc.Fanout([torch.nn.Linear(8, 2) for _ in range(4)])
+        outputs = heads(torch.rand(16, 8))          # 4 tensors, same input
+        outputs = heads.map([(x0,), (x1,), (x2,), (x3,)])  # one input each
+    """
+
+    def __init__(
+        self,
+        members: Sequence[Callable[..., Any]],
+        *,
+        engine: Engine = "auto",
+        threads: int | None = None,
+        show_warnings: bool = False,
+    ) -> None:
+        self.members = _check_members(members)
+        if engine not in _ENGINES:
+            raise ValueError(f"engine must be one of {_ENGINES}, got {engine!r}")
+        self.budget = torch.get_num_threads()
+        self.threads = _check_threads(threads, len(self.members), self.budget)
+        self.intra = max(1, self.budget // self.threads)
+        self._show = show_warnings
+        self.engine: Engine = _choose(engine, self.members, self.threads)
+        self._pool: _Pool | None = None
+        self._driver: torch.jit.ScriptModule | None = None
+        self._lock = threading.Lock()
+        if self.engine == "fork":
+            self._driver = _script_driver(self.members, show_warnings)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call every member with the same arguments and return their results."""
+        return self.call_async(*args, **kwargs).wait()
+
+    def map(self, inputs: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Call member i with ``*inputs[i]``; one argument tuple per member."""
+        return self.map_async(inputs).wait()
+
+    def call_async(self, *args: Any, **kwargs: Any) -> Future[list[Any]]:
+        """Like calling the `Fanout`, but return a Future of the results at once."""
+        return self._run([(args, kwargs)] * len(self.members))
+
+    def map_async(self, inputs: Sequence[tuple[Any, ...]]) -> Future[list[Any]]:
+        """Like `map`, but return a Future of the results at once."""
+        if not isinstance(inputs, Sequence) or len(inputs) != len(self.members):
+            got = len(inputs) if isinstance(inputs, Sequence) else type(inputs).__name__
+            raise ValueError(
+                f"map needs one argument tuple per member ({len(self.members)}), got {got}; "
+                "write fan.map([(x0,), (x1,), ...])"
+            )
+        calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        for item in inputs:
+            if not isinstance(item, tuple):
+                raise TypeError(
+                    f"each input must be a tuple of arguments, got {type(item).__name__}; "
+                    "write (x,) for one argument"
+                )
+            calls.append((item, {}))
+        return self._run(calls)
+
+    def close(self) -> None:
+        """Stop the engine's threads (also done when the `Fanout` is collected)."""
+        pool = getattr(self, "_pool", None)  # absent when __init__ raised
+        if pool is not None:
+            pool.close()
+            self._pool = None
+
+    def __enter__(self) -> Fanout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Fanout({len(self.members)} members, engine={self.engine!r}, "
+            f"threads={self.threads}, intra_op_threads={self.intra})"
+        )
+
+    def _run(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Future[list[Any]]:
+        if self.engine == "serial":
+            return _settle(lambda: [_call(m, i, a, k) for i, (m, (a, k)) in self._pairs(calls)])
+        if self.engine == "fork":
+            return _settle(lambda: self._fork(calls))
+        pool = self._ensure_pool()
+        modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        futs = [pool.submit(_bind(m, i, a, k, modes)) for i, (m, (a, k)) in self._pairs(calls)]
+        return _futures.gather(futs)
+
+    def _pairs(self, calls: list[Any]) -> Iterator[tuple[int, tuple[Any, Any]]]:
+        return enumerate(zip(self.members, calls, strict=True))
+
+    def _ensure_pool(self) -> _Pool:
+        with self._lock:
+            if self._pool is None:
+                self._pool = _Pool(self.threads, self.intra)
+            return self._pool
+
+    def _fork(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        inputs = []
+        for args, kwargs in calls:
+            if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+                raise TypeError(
+                    "engine='fork' calls each member with one Tensor, got "
+                    f"{len(args)} positional and {len(kwargs)} keyword argument(s); "
+                    "use engine='threads' for other signatures"
+                )
+            inputs.append(args[0])
+        assert self._driver is not None
+        with self._lock, _intra_op_threads(self.intra):
+            return list(self._driver(inputs))
+
+
+def fanout(
+    members: Sequence[Callable[..., Any]],
+    *args: Any,
+    engine: Engine = "auto",
+    threads: int | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call every member with the same arguments in parallel; results in member order.
+
+    A one-shot `Fanout` (its threads stop afterwards). Example::
+
+        a, b = asyncrpc.fanout([model_a, model_b], x)
+    """
+    with Fanout(members, engine=engine, threads=threads) as fan:
+        return fan(*args, **kwargs)
+
+
+def _check_members(members: object) -> tuple[Callable[..., Any], ...]:
+    if isinstance(members, (torch.nn.Module, str)) or not isinstance(members, Sequence):
+        raise TypeError(
+            f"members must be a list of callables or modules, got {type(members).__name__}; "
+            "write Fanout([model_a, model_b])"
+        )
+    if not members:
+        raise ValueError("members is empty; pass at least one callable or module")
+    for i, member in enumerate(members):
+        if not callable(member):
+            raise TypeError(
+                f"member {i} is a {type(member).__name__}, not a callable; pass the function "
+                "or module itself, not the result of calling it"
+            )
+    return tuple(members)
+
+
+def _check_threads(threads: object, members: int, budget: int) -> int:
+    if threads is None:
+        return max(1, min(members, budget))
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    return threads
+
+
+def _choose(engine: Engine, members: tuple[Callable[..., Any], ...], threads: int) -> Engine:
+    if engine != "auto":
+        return engine
+    if len(members) > 1 and all(isinstance(m, torch.jit.ScriptModule) for m in members):
+        return "fork"
+    return "threads" if len(members) > 1 and threads > 1 else "serial"
+
+
+def _script_driver(members: Sequence[Callable[..., Any]], show: bool) -> torch.jit.ScriptModule:
+    modules = []
+    for i, member in enumerate(members):
+        if not isinstance(member, torch.nn.Module):
+            raise TypeError(
+                f"engine='fork' runs nn.Modules, member {i} is a {type(member).__name__}; "
+                "wrap it in a Module or use engine='threads'"
+            )
+        modules.append(member)
+    with quiet_torchscript(show):
+        try:
+            script = torch.jit.script
+            scripted = [m if isinstance(m, torch.jit.ScriptModule) else script(m) for m in modules]
+            return torch.jit.script(_ForkDriver(scripted))
+        except Exception as error:
+            raise TypeError(
+                f"engine='fork' needs TorchScript-compatible members taking one Tensor and "
+                f"returning one; scripting failed: {str(error).strip().splitlines()[0]}; "
+                "use engine='threads' for eager-only code"
+            ) from error
+
+
+@contextlib.contextmanager
+def _intra_op_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _call(member: Callable[..., Any], index: int, args: Any, kwargs: Any) -> Any:
+    try:
+        return member(*args, **kwargs)
+    except Exception as error:
+        note = getattr(error, "add_note", None)
+        if note is not None:
+            note(f"raised by fan-out member {index} ({type(member).__name__})")
+        raise
+
+
+def _bind(
+    member: Callable[..., Any], index: int, args: Any, kwargs: Any, modes: tuple[bool, bool]
+) -> Callable[[], Any]:
+    grad, inference = modes
+
+    def job() -> Any:
+        # Grad and inference mode are thread-local: carry the caller's over.
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return _call(member, index, args, kwargs)
+
+    return job
+
+
+def _settle(work: Callable[[], list[Any]]) -> Future[list[Any]]:
+    try:
+        return _futures.completed(work())
+    except Exception as error:
+        return _futures.failed(error)

@@ -1,0 +1,92 @@
+"""The bidirectional-LSTM ensemble in four steps, each checked against the first.
+
+    python examples/bilstm_ensemble.py                   # small: T=50, B=8, C=256
+    python examples/bilstm_ensemble.py --size reference  # T=50, B=50, C=1024
+
+1. serial: the members one after the other;
+2. directions forked: each member forks its forward LSTM in TorchScript while
+   it runs the backward one (the reference tutorial's first step);
+3. members forked: the members run side by side in this process (`Ensemble`
+   picks the engine: threads for eager modules);
+4. members spread over 2 workers, each running its members with the local fan-out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import asyncrpc
+
+SIZES = {"small": (50, 8, 256), "reference": (50, 50, 1024)}
+MEMBERS = 4
+
+
+class BiLSTM(torch.nn.Module):
+    """Two LSTMs over the same sequence, the second one reversed in time."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.cell_f = torch.nn.LSTM(channels, channels)
+        self.cell_b = torch.nn.LSTM(channels, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output_f, _ = self.cell_f(x)
+        output_b, _ = self.cell_b(torch.flip(x, dims=[0]))
+        return torch.cat((output_f, torch.flip(output_b, dims=[0])), dim=2)
+
+
+class ForkedBiLSTM(BiLSTM):
+    """The same member, its forward direction forked (parallel once scripted)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        future_f = torch.jit.fork(self.cell_f, x)
+        output_b, _ = self.cell_b(torch.flip(x, dims=[0]))
+        output_f, _ = torch.jit.wait(future_f)
+        return torch.cat((output_f, torch.flip(output_b, dims=[0])), dim=2)
+
+
+def scripted_forked(channels: int) -> torch.jit.ScriptModule:
+    return torch.jit.script(ForkedBiLSTM(channels))
+
+
+def timed(ensemble: asyncrpc.Ensemble, x: torch.Tensor, reference: torch.Tensor | None) -> str:
+    with torch.no_grad():
+        ensemble(x)  # warm-up
+        start = time.perf_counter()
+        y = ensemble(x)
+        ms = (time.perf_counter() - start) * 1e3
+    if reference is None:
+        return f"{ms:8.1f} ms"
+    return f"{ms:8.1f} ms, equal to serial: {torch.allclose(y, reference, atol=1e-5)}"
+
+
+def spread(ctx: asyncrpc.Context, x: torch.Tensor, reference: torch.Tensor) -> None:
+    if ctx.rank != 0:
+        return
+    channels = x.shape[2]
+    ens = asyncrpc.Ensemble(BiLSTM, MEMBERS, channels, workers=["worker1", "worker2"], seed=0)
+    print(f"4. members spread over 2 workers {timed(ens, x, reference)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=SIZES, default="small")
+    t, b, c = SIZES[parser.parse_args().size]
+    x = torch.rand(t, b, c, generator=torch.Generator().manual_seed(0))
+    serial = asyncrpc.Ensemble(BiLSTM, MEMBERS, c, seed=0, engine="serial")
+    with torch.no_grad():
+        reference = serial(x)
+    print(f"ensemble of {MEMBERS} BiLSTMs, T={t} B={b} C={c}")
+    print(f"1. serial                        {timed(serial, x, None)}")
+    forked = asyncrpc.Ensemble(scripted_forked, MEMBERS, c, seed=0, engine="serial")
+    print(f"2. directions forked             {timed(forked, x, reference)}")
+    members = asyncrpc.Ensemble(BiLSTM, MEMBERS, c, seed=0)
+    print(f"3. members forked                {timed(members, x, reference)}")
+    asyncrpc.run(spread, world_size=3, args=(x, reference))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Local fan-out: every engine, the automatic choice, the thread budget, bad input, warnings."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import asyncrpc
+
+from conftest import ROOT, run_program
+
+ENGINES = ["serial", "threads", "fork"]
+
+
+class Scale(torch.nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+
+class Wide(torch.nn.Module):
+    """Scriptable, and enough work per call that the engines overlap something."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return out
+
+
+class Eager(torch.nn.Module):
+    """Not scriptable: TorchScript has no try/except."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return x + 1
+        except RuntimeError:
+            return x
+
+
+def _scales(n: int = 4) -> list[torch.nn.Module]:
+    return [Scale(float(i + 1)) for i in range(n)]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_engine_returns_each_members_output_in_order(engine: str) -> None:
+    x = torch.ones(3)
+    with asyncrpc.Fanout(_scales(), engine=engine) as fan:  # type: ignore[arg-type]
+        assert fan.engine == engine
+        outputs = fan(x)
+    assert [o.tolist() for o in outputs] == [[k] * 3 for k in (1.0, 2.0, 3.0, 4.0)]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_engine_matches_serial_on_lstms(engine: str) -> None:
+    torch.manual_seed(0)
+    members = [Wide() for _ in range(3)]
+    x = torch.rand(5, 2, 16)
+    expected = [m(x) for m in members]
+    with asyncrpc.Fanout(members, engine=engine) as fan:  # type: ignore[arg-type]
+        got = fan(x)
+        again = fan.call_async(x).wait()
+    for e, g, a in zip(expected, got, again, strict=True):
+        assert torch.allclose(e, g, atol=1e-6)
+        assert torch.allclose(e, a, atol=1e-6)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_map_gives_each_member_its_own_input(engine: str) -> None:
+    inputs = [(torch.full((2,), float(i)),) for i in range(4)]
+    with asyncrpc.Fanout(_scales(), engine=engine) as fan:  # type: ignore[arg-type]
+        outputs = fan.map(inputs)
+    assert [o[0].item() for o in outputs] == [0.0, 2.0, 6.0, 12.0]
+
+
+def test_thread_engine_runs_members_at_the_same_time() -> None:
+    meet = threading.Barrier(2, timeout=10)  # serial execution would break the barrier
+
+    def member(tag: str) -> str:
+        meet.wait()
+        return tag
+
+    with asyncrpc.Fanout([member, member], engine="threads", threads=2) as fan:
+        assert fan("x") == ["x", "x"]
+
+
+def test_thread_engine_keeps_the_thread_budget_and_grad_mode() -> None:
+    seen: list[tuple[int, bool]] = []
+
+    def member() -> None:
+        seen.append((torch.get_num_threads(), torch.is_grad_enabled()))
+
+    budget = torch.get_num_threads()
+    with asyncrpc.Fanout([member] * 4, engine="threads") as fan:
+        assert fan.threads * fan.intra <= max(budget, fan.threads)
+        with torch.no_grad():
+            fan()
+    assert seen == [(fan.intra, False)] * 4
+    # The pool's own intra-op setting does not leak into threads started later.
+    later: list[int] = []
+    probe = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    probe.start()
+    probe.join()
+    assert later == [budget]
+
+
+def test_auto_picks_fork_for_scripted_threads_for_eager_serial_for_one() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scripted = [torch.jit.script(Scale(2.0)) for _ in range(2)]
+    budget = torch.get_num_threads()
+    assert asyncrpc.Fanout(scripted).engine == "fork"
+    assert asyncrpc.Fanout([Scale(1.0)]).engine == "serial"
+    eager = asyncrpc.Fanout(_scales(2))
+    assert eager.engine == ("threads" if budget > 1 else "serial")
+    assert asyncrpc.Fanout(_scales(2), threads=1).engine == "serial"
+
+
+def test_fork_engine_hides_torchscript_warnings_unless_asked() -> None:
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        asyncrpc.Fanout(_scales(2), engine="fork")(torch.ones(1))
+    assert not [w for w in quiet if issubclass(w.category, DeprecationWarning)]
+    with warnings.catch_warnings(record=True) as loud:
+        warnings.simplefilter("always")
+        asyncrpc.Fanout(_scales(2), engine="fork", show_warnings=True)
+    assert [w for w in loud if "deprecated" in str(w.message)]
+
+
+def test_fanout_function_is_a_one_shot_fanout() -> None:
+    def add(x: int, *, y: int) -> int:
+        return x + y
+
+    def mul(x: int, *, y: int) -> int:
+        return x * y
+
+    assert asyncrpc.fanout([add, mul], 3, y=4) == [7, 12]
+
+
+@pytest.mark.parametrize("engine", ["serial", "threads"])
+def test_a_failing_member_raises_its_error_and_the_fanout_keeps_working(engine: str) -> None:
+    def picky(x: int) -> int:
+        if x < 0:
+            raise ValueError(f"member refused {x}")
+        return x
+
+    with asyncrpc.Fanout([abs, picky], engine=engine) as fan:  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="member refused -2"):
+            fan(-2)
+        assert fan(3) == [3, 3]
+
+
+@pytest.mark.parametrize(
+    ("members", "options", "error", "match"),
+    [
+        (Scale(1.0), {}, TypeError, "list of callables"),
+        ([], {}, ValueError, "empty"),
+        ([torch.ones(2)], {}, TypeError, "not the result of calling it"),
+        ([abs], {"engine": "gpu"}, ValueError, "engine must be one of"),
+        ([abs], {"threads": 0}, ValueError, "threads must be a positive int"),
+        ([abs, abs], {"engine": "fork"}, TypeError, "wrap it in a Module"),
+        ([Eager(), Eager()], {"engine": "fork"}, TypeError, "engine='threads'"),
+    ],
+)
+def test_bad_input_says_what_to_do(
+    members: object, options: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        asyncrpc.Fanout(members, **options)  # type: ignore[arg-type]
+
+
+def test_fork_engine_rejects_calls_it_cannot_script() -> None:
+    with asyncrpc.Fanout(_scales(2), engine="fork") as fan:
+        with pytest.raises(TypeError, match="one Tensor"):
+            fan(torch.ones(1), torch.ones(1))
+        assert fan(torch.ones(1))[1].item() == 2.0
+
+
+def test_map_checks_its_inputs() -> None:
+    with asyncrpc.Fanout(_scales(2), engine="threads") as fan:
+        with pytest.raises(ValueError, match="one argument tuple per member"):
+            fan.map([(torch.ones(1),)])
+        with pytest.raises(TypeError, match=r"write \(x,\)"):
+            fan.map([torch.ones(1), torch.ones(1)])  # type: ignore[list-item]
+
+
+@pytest.mark.subprocess
+def test_fork_basics_example_prints_the_reference_results() -> None:
+    result = run_program("python", str(ROOT / "examples" / "fork_basics.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "one fork: (tensor([-1.]), tensor([-1.]))",
+        "100 forks summed: tensor(-100.)",
+        "module fork with b=2: tensor(4)",
+        "fanout, one member: [tensor([-1.]), tensor([-1.])]",
+        "fanout, 100 members summed: tensor(-100.)",
+        "fanout, module with b=2: [tensor(4)]",
+    ]
+    assert "Warning" not in result.stderr
