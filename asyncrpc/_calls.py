@@ -10,6 +10,7 @@ at once with a message instead of a remote error or a timeout::
 from __future__ import annotations
 
 import difflib
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias, cast
 
@@ -20,7 +21,9 @@ from torch.futures import Future
 from . import _runtime
 from ._errors import (
     CallTimeoutError,
+    NestedCallError,
     NotInitializedError,
+    SerializationError,
     UnknownWorkerError,
     WorkerUnreachableError,
 )
@@ -118,10 +121,65 @@ def call_sync(
 ) -> Any:
     """rpc_sync, with `label` naming the call in errors (a handle's method, say)."""
     seconds = check_call("rpc_sync", to, fn, args, kwargs, timeout)
-    try:
-        return rpc.rpc_sync(to, fn, args=_tuple(args), kwargs=kwargs, timeout=seconds)
-    except RuntimeError as exc:
-        raise explain_failure(exc, to, label) from None
+    with _holding_rpc_thread(to, label):
+        try:
+            fut = rpc.rpc_async(to, fn, args=_tuple(args), kwargs=kwargs, timeout=seconds)
+        except (TypeError, AttributeError) as exc:
+            raise _unsendable(exc, to, label) from exc
+        try:
+            return fut.wait()
+        except RuntimeError as exc:
+            raise explain_failure(exc, to, label) from None
+
+
+class _RpcThreads:
+    """How many of this process's RPC threads wait in a nested blocking call."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.blocked = 0
+
+
+_rpc_threads = _RpcThreads()
+
+
+class _holding_rpc_thread:
+    """Count a blocking call made from an RPC thread; refuse the one that takes the last."""
+
+    def __init__(self, to: object, label: object) -> None:
+        # torch's RPC threads are not Python threads: Python sees them as dummies.
+        self.nested = isinstance(threading.current_thread(), threading._DummyThread)
+        self.to, self.label = to, label
+
+    def __enter__(self) -> None:
+        if not self.nested:
+            return
+        limit = _runtime.current_settings().num_worker_threads - 1
+        with _rpc_threads.lock:
+            if _rpc_threads.blocked >= limit:
+                raise NestedCallError(
+                    f"rpc_sync of {_fn_name(self.label)} to {_name_of(self.to)!r} from inside an "
+                    f"RPC would block the last free RPC thread of this worker ({limit} of "
+                    f"{limit + 1} already wait in nested rpc_sync calls), and the worker would "
+                    "stall until they time out; make the function @asyncrpc.async_execution "
+                    "and return or await rpc_async(...) instead of calling rpc_sync"
+                )
+            _rpc_threads.blocked += 1
+
+    def __exit__(self, *exc: object) -> None:
+        if self.nested:
+            with _rpc_threads.lock:
+                _rpc_threads.blocked -= 1
+
+
+def _unsendable(exc: BaseException, to: object, fn: object) -> BaseException:
+    if "pickle" not in str(exc).lower():
+        return exc
+    return SerializationError(
+        f"the arguments of {_fn_name(fn)} could not be sent to {_name_of(to)!r}: {exc}; "
+        "pass tensors, numbers, strings and containers of them, or objects of classes "
+        "both sides can import (keep others on their owner with asyncrpc.remote)"
+    )
 
 
 def rpc_async(
@@ -141,7 +199,10 @@ def rpc_async(
     # No wrapper Future here: a Python callback per call costs ~8% of a burst's
     # throughput. Handle calls (call_async) name a dead worker; see explain_failure.
     seconds = check_call("rpc_async", to, fn, args, kwargs, timeout)
-    fut = rpc.rpc_async(to, fn, args=_tuple(args), kwargs=kwargs, timeout=seconds)
+    try:
+        fut = rpc.rpc_async(to, fn, args=_tuple(args), kwargs=kwargs, timeout=seconds)
+    except (TypeError, AttributeError) as exc:
+        raise _unsendable(exc, to, fn) from exc
     return cast(Future[Any], fut)
 
 
@@ -187,6 +248,22 @@ def explain_failure(exc: BaseException, to: object, fn: object) -> BaseException
             f"the call to {_fn_name(fn)} on worker {name!r} timed out: {text.splitlines()[0]}; "
             f"pass a larger timeout=..., or check that {name!r} is not stuck",
             name,
+        )
+    elif "pickle" in text.lower() and "serialize" in text:
+        first = text.splitlines()[0]
+        err = SerializationError(
+            f"the result of {_fn_name(fn)} on {_name_of(to)!r}, or the exception it raised, "
+            f"could not be sent back: {first}; return tensors or plain data (keep other "
+            "objects on the worker with asyncrpc.remote) and raise exceptions of built-in "
+            "types or of classes the caller can import"
+        )
+    elif "deserialize" in text and ("No module named" in text or "Can't get attribute" in text):
+        first = text.splitlines()[0]
+        err = SerializationError(
+            f"the reply of {_name_of(to)!r} to {_fn_name(fn)} could not be unpickled here: "
+            f"{first}; it holds an object (often a raised exception) of a class this process "
+            "cannot import. Make that module importable on the caller too; the worker's "
+            "output shows the original error"
         )
     else:
         return exc

@@ -133,3 +133,17 @@ class WorkerFailedError(AsyncRPCError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.name, self.rank, self.exitcode, self.remote_traceback))
+
+
+class SerializationError(AsyncRPCError, TypeError):
+    """An argument, a result or a remote exception could not be pickled or unpickled."""
+
+
+class NestedCallError(AsyncRPCError, RuntimeError):
+    """A blocking call from inside an RPC would leave the worker no thread to serve replies.
+
+    torch runs incoming calls on a fixed pool of RPC threads; when every one of
+    them waits in a nested `rpc_sync`, nothing is left to process the replies,
+    and the worker stalls until each call times out. asyncrpc refuses the call
+    that would take the last thread instead.
+    """

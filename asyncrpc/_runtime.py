@@ -124,6 +124,7 @@ class Context:
 class _World:
     context: Context
     store: Store
+    settings: Settings
 
 
 _world: _World | None = None
@@ -144,6 +145,12 @@ def current_context() -> Context:
     if world is None:
         raise NotInitializedError(_not_running_message("asyncrpc.current_context()"))
     return world.context
+
+
+def current_settings() -> Settings:
+    """The settings of the running world, or the defaults outside one."""
+    world = _world
+    return Settings() if world is None else world.settings
 
 
 def _not_running_message(what: str) -> str:
@@ -273,7 +280,7 @@ def start(
         context = Context(rank, world_size, name, names, tuple((roles or {}).items()))
         # Peers may call in as soon as the agent starts, before init_rpc returns
         # here: the world must already be visible to the functions they run.
-        _world = _World(context, store)
+        _world = _World(context, store, settings)
         try:
             _start_agent(context, master_addr, store, settings)
         except BaseException:

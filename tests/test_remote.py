@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import time
 
@@ -172,6 +173,8 @@ def test_calling_a_handle_whose_owner_died_names_the_owner() -> None:
     assert "WorkerUnreachableError: worker 'worker2' cannot be reached" in result.stdout
     assert "in flight: WorkerUnreachableError" in result.stdout
     assert "survivor still serves: worker1" in result.stdout
+    took = re.search(r"shutdown took ([\d.]+) s", result.stdout)
+    assert took is not None and float(took.group(1)) < 15, result.stdout  # bounded
 
 
 # ---- modules -------------------------------------------------------------------------------
