@@ -122,10 +122,7 @@ def call_sync(
     """rpc_sync, with `label` naming the call in errors (a handle's method, say)."""
     seconds = check_call("rpc_sync", to, fn, args, kwargs, timeout)
     with _holding_rpc_thread(to, label):
-        try:
-            fut = rpc.rpc_async(to, fn, args=_tuple(args), kwargs=kwargs, timeout=seconds)
-        except (TypeError, AttributeError) as exc:
-            raise _unsendable(exc, to, label) from exc
+        fut = _send(to, fn, args, kwargs, seconds, label)
         try:
             return fut.wait()
         except RuntimeError as exc:
@@ -199,10 +196,22 @@ def rpc_async(
     # No wrapper Future here: a Python callback per call costs ~8% of a burst's
     # throughput. Handle calls (call_async) name a dead worker; see explain_failure.
     seconds = check_call("rpc_async", to, fn, args, kwargs, timeout)
+    return _send(to, fn, args, kwargs, seconds, fn)
+
+
+def _send(
+    to: Target,
+    fn: Callable[..., Any],
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    seconds: float,
+    label: object,
+) -> Future[Any]:
+    """torch's rpc_async; arguments that cannot be pickled raise SerializationError."""
     try:
         fut = rpc.rpc_async(to, fn, args=_tuple(args), kwargs=kwargs, timeout=seconds)
     except (TypeError, AttributeError) as exc:
-        raise _unsendable(exc, to, fn) from exc
+        raise _unsendable(exc, to, label) from exc
     return cast(Future[Any], fut)
 
 
