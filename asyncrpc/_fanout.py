@@ -142,7 +142,6 @@ class Fanout:
         self.budget = torch.get_num_threads()
         self.threads = _check_threads(threads, len(self.members), self.budget)
         self.intra = max(1, self.budget // self.threads)
-        self._show = show_warnings
         self.engine: Engine = _choose(engine, self.members, self.threads)
         self._pool: _Pool | None = None
         self._driver: torch.jit.ScriptModule | None = None
