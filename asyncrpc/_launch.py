@@ -144,7 +144,22 @@ def build_args(argv: Sequence[str]) -> argparse.Namespace:
         args.rdzv_endpoint = args.rdzv_endpoint or f"{host}:{port}"
         conf = f"rank={args.node_rank}"
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
+        args.node_rank = 0  # now carried by rdzv_conf; torchrun warns it is ignored otherwise
+    if args.rdzv_backend == BACKEND:
+        _warn_if_unreachable(args.rdzv_endpoint, args.nnodes)
     return args
+
+
+def _warn_if_unreachable(endpoint: str, nnodes: str) -> None:
+    host = endpoint.rpartition(":")[0].strip("[]")
+    if _node_range(nnodes)[1] > 1 and _net.is_loopback(host):
+        print(
+            f"asyncrpc-launch: warning: --nnodes {nnodes} but the rendezvous host {host!r} "
+            f"is a loopback address here, so only launchers on this machine can join; "
+            f"on several machines pass node 0's private address (--rdzv-endpoint "
+            f"10.0.0.1:29500 or --master-addr 10.0.0.1)",
+            file=sys.stderr,
+        )
 
 
 def _node_range(nnodes: str) -> tuple[int, int]:

@@ -153,6 +153,14 @@ def current_settings() -> Settings:
     return Settings() if world is None else world.settings
 
 
+def current_store() -> Store:
+    """The rendezvous store of the running world (raises NotInitializedError outside one)."""
+    world = _world
+    if world is None:
+        raise NotInitializedError(_not_running_message("the world's store"))
+    return world.store
+
+
 def _not_running_message(what: str) -> str:
     if _was_shut_down:
         return f"{what} was called after asyncrpc.shutdown(); the RPC world is closed"
@@ -317,10 +325,12 @@ def single_node(master_addr: str, world_size: int) -> bool:
 
 
 def _bind_interface(master_addr: str, world_size: int, interface: str | None) -> None:
-    # TensorPipe reads TP_SOCKET_IFNAME when the agent starts; without it, it
-    # binds the address its hostname resolves to, reachable from the network.
+    # TensorPipe reads TP_SOCKET_IFNAME when the agent starts, and the Gloo group
+    # that torch's agent set-up builds reads GLOO_SOCKET_IFNAME; without them each
+    # binds the address the hostname resolves to, which may be the wrong network.
     chosen = interface or os.environ.get("ASYNCRPC_INTERFACE")
     if chosen is None and "TP_SOCKET_IFNAME" in os.environ:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["TP_SOCKET_IFNAME"])
         return
     if chosen is None:
         if single_node(master_addr, world_size):
@@ -338,6 +348,7 @@ def _bind_interface(master_addr: str, world_size: int, interface: str | None) ->
             f"{sorted(n for _, n in socket.if_nameindex())}"
         )
     os.environ["TP_SOCKET_IFNAME"] = chosen
+    os.environ["GLOO_SOCKET_IFNAME"] = chosen
 
 
 def _set_intra_op_threads(world_size: int, wanted: int | None) -> None:

@@ -10,19 +10,31 @@ spawns the workers and watches them::
        |-- spawn --> worker1: init -> main(ctx) -> shutdown --+-- exit codes,
        |-- spawn --> worker2: init -> main(ctx) -> shutdown --'   tracebacks (pipe)
        `-- first failure: stop the rest, raise WorkerFailedError naming the worker
+
+Under a launcher, a worker that raises writes its name to the world's store;
+workers waiting in shutdown on other machines (which their own launcher
+would not stop) poll for it and leave::
+
+    node 0: worker0 raises --set failed=worker0--> store (node 0)
+    node 1: worker2 in shutdown <--check, every 0.5 s-- store -> exit 1
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.process import BaseProcess
 from typing import Any
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 
 from . import _rendezvous, _runtime
 from ._errors import WorkerFailedError
@@ -31,6 +43,7 @@ __all__ = ["run"]
 
 _GRACE_S = 3.0  # how long survivors get to exit on their own after a failure
 _KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL
+_WATCH_S = 0.5  # how often a worker waiting to shut down looks for a peer's failure
 
 
 def launched() -> bool:
@@ -98,14 +111,47 @@ def _run_launched(
     settings: _runtime.Settings,
 ) -> None:
     ctx = _runtime.init(world_size=world_size, roles=roles, **_as_options(settings))
+    store, tag = _runtime.current_store(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
     try:
         main(ctx, *args)
     except BaseException:
         print(f"asyncrpc: worker {ctx.name!r} (rank {ctx.rank}) failed", file=sys.stderr)
+        _rendezvous.report_failure(store, ctx.name, tag)
         # Peers may still wait on this worker: leave without the shutdown barrier.
         _runtime.shutdown(graceful=False)
         raise
-    _runtime.shutdown()
+    with _leaving_if_a_peer_fails(store, ctx.name, tag):
+        _runtime.shutdown()
+
+
+@contextlib.contextmanager
+def _leaving_if_a_peer_fails(store: Store, name: str, tag: str) -> Iterator[None]:
+    # The graceful shutdown waits for every peer without a deadline. On one node
+    # the launcher stops the survivors of a failure; across nodes nothing would,
+    # so a peer's failure report in the store ends this worker too.
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(_WATCH_S):
+            try:
+                failed = _rendezvous.failed_peer(store, tag)
+            except (RuntimeError, dist.DistNetworkError):
+                return  # the store's host has exited; nothing more to learn
+            if failed is not None:
+                print(
+                    f"asyncrpc: worker {failed!r} failed; {name!r} leaves the world",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+
+    watcher = threading.Thread(target=watch, name="asyncrpc-peer-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 def _as_options(settings: _runtime.Settings) -> dict[str, Any]:

@@ -2,18 +2,24 @@
 
     python examples/bilstm_ensemble.py                   # small: T=50, B=8, C=256
     python examples/bilstm_ensemble.py --size reference  # T=50, B=50, C=1024
+    asyncrpc-launch --nnodes 2 ... --nproc-per-node 2 examples/bilstm_ensemble.py --workers 4
+
+worker0 drives; the other workers serve. Steps 1-3 run on worker0 alone, so it
+takes every core for them (the others are idle until step 4).
 
 1. serial: the members one after the other;
 2. directions forked: each member forks its forward LSTM in TorchScript while
    it runs the backward one (the reference tutorial's first step);
 3. members forked: the members run side by side in this process (`Ensemble`
    picks the engine: threads for eager modules);
-4. members spread over 2 workers, each running its members with the local fan-out.
+4. members spread over the other workers (2 by default), each running its
+   members with the local fan-out.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -63,18 +69,11 @@ def timed(ensemble: asyncrpc.Ensemble, x: torch.Tensor, reference: torch.Tensor 
     return f"{ms:8.1f} ms, equal to serial: {torch.allclose(y, reference, atol=1e-5)}"
 
 
-def spread(ctx: asyncrpc.Context, x: torch.Tensor, reference: torch.Tensor) -> None:
+def tour(ctx: asyncrpc.Context, size: str) -> None:
     if ctx.rank != 0:
-        return
-    channels = x.shape[2]
-    ens = asyncrpc.Ensemble(BiLSTM, MEMBERS, channels, workers=["worker1", "worker2"], seed=0)
-    print(f"4. members spread over 2 workers {timed(ens, x, reference)}")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=SIZES, default="small")
-    t, b, c = SIZES[parser.parse_args().size]
+        return  # serve step 4's members until worker0 is done
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    t, b, c = SIZES[size]
     x = torch.rand(t, b, c, generator=torch.Generator().manual_seed(0))
     serial = asyncrpc.Ensemble(BiLSTM, MEMBERS, c, seed=0, engine="serial")
     with torch.no_grad():
@@ -85,7 +84,20 @@ def main() -> None:
     print(f"2. directions forked             {timed(forked, x, reference)}")
     members = asyncrpc.Ensemble(BiLSTM, MEMBERS, c, seed=0)
     print(f"3. members forked                {timed(members, x, reference)}")
-    asyncrpc.run(spread, world_size=3, args=(x, reference))
+    others = list(ctx.names[1:])
+    spread = asyncrpc.Ensemble(BiLSTM, MEMBERS, c, workers=others, seed=0)
+    print(f"4. members spread over {len(others)} workers {timed(spread, x, reference)}")
+    print(f"   placement: {spread!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=SIZES, default="small")
+    parser.add_argument(
+        "--workers", type=int, default=3, help="world size: worker0 drives (default: 3)"
+    )
+    args = parser.parse_args()
+    asyncrpc.run(tour, world_size=args.workers, args=(args.size,))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run an asyncrpc script across several machines under torchrun. Start it once
-# on every machine, with the same MASTER_ADDR/MASTER_PORT and its own NODE_RANK:
+# Run an asyncrpc script across several machines under torchrun: the command
+# for ONE machine. Start it on every machine with the same MASTER_ADDR and
+# MASTER_PORT and its own NODE_RANK (launch/ssh.sh does that over SSH):
 #
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NPROC=4 \
 #       IFACE=eth1 launch/multi_node.sh train.py --epochs 3
@@ -17,5 +18,5 @@ NPROC=${NPROC:-1}
 iface=()
 if [[ -n "${IFACE:-}" ]]; then iface=(--interface "$IFACE"); fi
 exec asyncrpc-launch --nnodes "$NNODES" --node-rank "$NODE_RANK" \
-    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+    --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
     --nproc-per-node "$NPROC" "${iface[@]}" "$@"

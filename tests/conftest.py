@@ -54,7 +54,8 @@ def world() -> Iterator[asyncrpc.Context]:
 
 def _program_env(extra: dict[str, str] | None) -> dict[str, str]:
     env = {**os.environ, **(extra or {})}
-    env.pop("TP_SOCKET_IFNAME", None)  # set by this process's own world
+    for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        env.pop(key, None)  # set by this process's own world
     return env
 
 

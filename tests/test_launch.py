@@ -45,6 +45,22 @@ def test_several_nodes_bind_the_master_address() -> None:
     assert args.interface == "veth1"
 
 
+def test_several_nodes_accept_a_rendezvous_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "10.23.0.1:29500", "x.py"]
+    args = _launch.build_args(argv)
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("asyncrpc", "10.23.0.1:29500")
+    assert args.rdzv_conf == "rank=1"
+    assert args.node_rank == 0  # carried by rdzv_conf, so torchrun does not warn it is ignored
+    assert capsys.readouterr().err == ""
+
+
+def test_several_nodes_on_a_loopback_master_warn(capsys: pytest.CaptureFixture[str]) -> None:
+    _launch.build_args(["--nnodes", "2", "--node-rank", "0", "x.py"])
+    err = capsys.readouterr().err
+    assert "rendezvous host '127.0.0.1' is a loopback address" in err
+    assert "--rdzv-endpoint 10.0.0.1:29500" in err
+
+
 def test_another_rendezvous_backend_passes_through() -> None:
     args = _launch.build_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "x.py"])
     assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", "h:1")

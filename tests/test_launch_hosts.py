@@ -1,0 +1,211 @@
+"""asyncrpc-launch across two hosts, built on this machine from network namespaces.
+
+Each host is a network namespace with its own loopback and one end of a veth
+pair; the launcher runs once per host, as it would over SSH on real machines::
+
+    netns host0: 10.23.0.1/24  <--- veth --->  netns host1: 10.23.0.2/24
+      asyncrpc-launch --node-rank 0              asyncrpc-launch --node-rank 1
+        worker0, worker1 (store on 10.23.0.1)      worker2, worker3
+
+Needs root (or CAP_NET_ADMIN) and `ip`; skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import PROGRAMS, start_program
+
+pytestmark = pytest.mark.subprocess
+
+ADDRESSES = ("10.23.0.1", "10.23.0.2")
+PORT = 29500
+
+
+@dataclass(frozen=True)
+class Host:
+    namespace: str
+    link: str
+    address: str
+
+    def rx_bytes(self) -> int:
+        path = f"/sys/class/net/{self.link}/statistics/rx_bytes"
+        return int(_ip("netns", "exec", self.namespace, "cat", path).stdout)
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=True, timeout=30)
+
+
+def _build(tag: str) -> tuple[Host, Host]:
+    hosts = tuple(Host(f"arpc{tag}h{i}", f"arpc{tag}v{i}", a) for i, a in enumerate(ADDRESSES))
+    for host in hosts:
+        _ip("netns", "add", host.namespace)
+    _ip("link", "add", hosts[0].link, "type", "veth", "peer", "name", hosts[1].link)
+    for host in hosts:
+        _ip("link", "set", host.link, "netns", host.namespace)
+        _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.link)
+        _ip("-n", host.namespace, "link", "set", "lo", "up")
+        _ip("-n", host.namespace, "link", "set", host.link, "up")
+    return hosts[0], hosts[1]
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[tuple[Host, Host]]:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root: run the suite as root to test two hosts")
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command (iproute2) is not installed")
+    tag = str(os.getpid() % 100000)
+    try:
+        built = _build(tag)
+    except subprocess.CalledProcessError as exc:
+        _remove(tag)
+        pytest.skip(f"could not create network namespaces: {exc.stderr.strip()}")
+    yield built
+    _remove(tag)
+
+
+def _remove(tag: str) -> None:
+    # Deleting a namespace deletes the veth end inside it, and so the pair.
+    for i in range(2):
+        subprocess.run(["ip", "netns", "del", f"arpc{tag}h{i}"], capture_output=True, timeout=30)
+
+
+def launch_on_both(
+    hosts: tuple[Host, Host], script: str, *args: str, interface: bool = False, timeout: float = 90
+) -> list[tuple[int, str, str]]:
+    """Run `script` on both hosts under asyncrpc-launch; (exit code, stdout, stderr) per host.
+
+    Host 0 finds its interface from the route to the rendezvous host; with
+    `interface`, host 1 names its own with --interface.
+    """
+    procs = []
+    for rank, host in enumerate(hosts):
+        named = ["--interface", host.link] if interface and rank == 1 else []
+        launcher = [sys.executable, "-m", "asyncrpc._launch", "--nnodes", "2"]
+        launcher += ["--node-rank", str(rank), "--rdzv-endpoint", f"{ADDRESSES[0]}:{PORT}"]
+        launcher += ["--nproc-per-node", "2", *named, script, *args]
+        procs.append(start_program("ip", "netns", "exec", host.namespace, *launcher, env={}))
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"a launcher did not finish within {timeout} s:\n{err[-3000:]}")
+        results.append((proc.returncode, out, err))
+    return results
+
+
+def _result(results: list[tuple[int, str, str]]) -> dict[str, object]:
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    lines = [line for line in results[0][1].splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, results[0][1]
+    found: dict[str, object] = json.loads(lines[0].removeprefix("RESULT "))
+    return found
+
+
+def test_calls_chains_and_rrefs_cross_the_hosts(hosts: tuple[Host, Host]) -> None:
+    before = [host.rx_bytes() for host in hosts]
+    result = _result(launch_on_both(hosts, str(PROGRAMS / "two_hosts.py"), interface=True))
+    a, b = ADDRESSES
+    # Names are stable across hosts: node 0 holds ranks 0-1, node 1 ranks 2-3.
+    assert result["hosts"] == {
+        "worker0": ["worker0", a],
+        "worker1": ["worker1", a],
+        "worker2": ["worker2", b],
+        "worker3": ["worker3", b],
+    }
+    # worker0 -> worker2 -> worker1 -> worker3, every hop awaited without a thread.
+    assert result["relay"] == {
+        "trail": [["worker2", b], ["worker1", a], ["worker3", b]],
+        "total": [3.0, 3.0],
+    }
+    assert result["chained"] == [3.0, 3.0]  # (1 + 1 on worker1) + 1 on worker2
+    # Made from host 0, owned on host 1, used from both.
+    assert result["rref"] == {
+        "owner": "worker3",
+        "seen": [["worker0", a], ["worker1", a], ["worker2", b]],
+    }
+    # Nothing listens on every interface or off the private network.
+    listening = result["listeners"]
+    assert isinstance(listening, dict)
+    for name, addresses in listening.items():
+        home = a if name in ("worker0", "worker1") else b
+        assert addresses and set(addresses) <= {home, "127.0.0.1"}, (name, addresses)
+    # The calls went over the veth pair, in both directions.
+    after = [host.rx_bytes() for host in hosts]
+    assert all(new - old > 10_000 for new, old in zip(after, before, strict=True)), (before, after)
+
+
+def _shim(directory: pathlib.Path, name: str, text: str) -> None:
+    path = directory / name
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+def _recipe_env(directory: pathlib.Path, **extra: str) -> dict[str, str]:
+    # The recipes call asyncrpc-launch by name, as on a machine with the venv active.
+    path = f"{directory}:{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"
+    return {"PATH": path, **extra}
+
+
+def test_the_ssh_recipe_spreads_the_bilstm_example_over_both_hosts(
+    hosts: tuple[Host, Host], tmp_path: pathlib.Path
+) -> None:
+    # `ssh HOST COMMAND` becomes `ip netns exec NAMESPACE bash -c COMMAND`.
+    cases = "".join(f"  {h.address}) ns={h.namespace} ;;\n" for h in hosts)
+    shim = f'#!/bin/sh\ncase "$1" in\n{cases}  *) exit 255 ;;\nesac\n'
+    _shim(tmp_path, "netns-ssh", shim + 'exec ip netns exec "$ns" bash -c "$2"\n')
+    env = _recipe_env(
+        tmp_path, HOSTS=" ".join(ADDRESSES), NPROC="2", SSH=str(tmp_path / "netns-ssh")
+    )
+    example = ["examples/bilstm_ensemble.py", "--workers", "4"]
+    proc = start_program("bash", "launch/ssh.sh", *example, env=env)
+    out, err = proc.communicate(timeout=150)
+    assert proc.returncode == 0, (out + err)[-3000:]
+    first = [line for line in out.splitlines() if line.startswith(f"[{ADDRESSES[0]}] ")]
+    assert sum(line.endswith("equal to serial: True") for line in first) == 3, out
+    assert f"[{ADDRESSES[0]}] 4. members spread over 3 workers" in out, out
+    # worker1 is on host 0; worker2 and worker3 on host 1.
+    assert "placement={'worker1': 2, 'worker2': 1, 'worker3': 1}" in out, out
+
+
+def test_the_slurm_batch_file_starts_one_launcher_per_node(
+    hosts: tuple[Host, Host], tmp_path: pathlib.Path
+) -> None:
+    # srun runs its command once per node, with that node's SLURM_NODEID.
+    lines = ["#!/bin/bash", 'while [[ "$1" == --* ]]; do shift; done', "pids=()"]
+    for i, host in enumerate(hosts):
+        lines.append(f'SLURM_NODEID={i} ip netns exec {host.namespace} "$@" & pids+=($!)')
+    lines += ["status=0", 'for p in "${pids[@]}"; do wait "$p" || status=1; done', "exit $status"]
+    _shim(tmp_path, "srun", "\n".join(lines) + "\n")
+    env = _recipe_env(tmp_path, SLURM_NNODES="2", MASTER_ADDR=ADDRESSES[0], NPROC="2")
+    proc = start_program("bash", "launch/slurm.sbatch", str(PROGRAMS / "two_hosts.py"), env=env)
+    out, err = proc.communicate(timeout=90)
+    result = _result([(proc.returncode, out, err)])
+    assert result["relay"] == {
+        "trail": [["worker2", ADDRESSES[1]], ["worker1", ADDRESSES[0]], ["worker3", ADDRESSES[1]]],
+        "total": [3.0, 3.0],
+    }
+
+
+def test_a_failure_on_one_host_ends_the_workers_on_the_other(hosts: tuple[Host, Host]) -> None:
+    results = launch_on_both(hosts, str(PROGRAMS / "two_hosts.py"), "--fail", timeout=60)
+    assert [code for code, _, _ in results] == [1, 1], [err[-2000:] for _, _, err in results]
+    assert "worker0 fails on purpose" in results[0][2]
+    for name in ("worker2", "worker3"):
+        assert f"asyncrpc: worker 'worker0' failed; {name!r} leaves the world" in results[1][2]
