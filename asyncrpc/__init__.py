@@ -33,7 +33,9 @@ from ._errors import (
 from ._execution import async_execution
 from ._fanout import Fanout, fanout
 from ._remote import RemoteModule, RemoteObject, call_all, remote
+from ._render import render_trace
 from ._runtime import Context, Settings, current_context, init, shutdown
+from ._trace import Trace, trace
 from ._world import run
 from .futures import (
     as_completed,
@@ -64,6 +66,7 @@ __all__ = (
     "RendezvousError",
     "SerializationError",
     "Settings",
+    "Trace",
     "UnknownWorkerError",
     "WorkerFailedError",
     "WorkerUnreachableError",
@@ -79,10 +82,12 @@ __all__ = (
     "gather",
     "init",
     "remote",
+    "render_trace",
     "rpc_async",
     "rpc_sync",
     "run",
     "shutdown",
+    "trace",
     "wait_first",
     "with_timeout",
 )

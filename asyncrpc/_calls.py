@@ -18,7 +18,7 @@ import torch.distributed.rpc as rpc
 from torch._C._distributed_rpc import WorkerInfo
 from torch.futures import Future
 
-from . import _runtime
+from . import _runtime, _trace
 from ._errors import (
     CallTimeoutError,
     NestedCallError,
@@ -208,10 +208,12 @@ def _send(
     label: object,
 ) -> Future[Any]:
     """torch's rpc_async; arguments that cannot be pickled raise SerializationError."""
+    sent, replied = _trace.outgoing(_name_of(to), fn)
     try:
-        fut = rpc.rpc_async(to, fn, args=_tuple(args), kwargs=kwargs, timeout=seconds)
+        fut = rpc.rpc_async(to, sent, args=_tuple(args), kwargs=kwargs, timeout=seconds)
     except (TypeError, AttributeError) as exc:
         raise _unsendable(exc, to, label) from exc
+    fut.add_done_callback(replied)
     return cast(Future[Any], fut)
 
 
@@ -304,7 +306,9 @@ def remote_function(
 ) -> rpc.RRef[Any]:
     """Run `fn(*args, **kwargs)` on worker `to` and keep the result there; return an RRef."""
     seconds = check_call("remote", to, fn, args, kwargs, timeout)
-    rref = rpc.remote(to, fn, args=_tuple(args), kwargs=kwargs, timeout=seconds)
+    sent, replied = _trace.outgoing(_name_of(to), fn)
+    rref = rpc.remote(to, sent, args=_tuple(args), kwargs=kwargs, timeout=seconds)
+    rref._get_future().add_done_callback(replied)
     return cast(rpc.RRef[Any], rref)
 
 

@@ -1,0 +1,302 @@
+"""`asyncrpc.trace`: record every worker with torch's profiler, as one timeline.
+
+torch's profiler sees one process. While a trace is open, each worker runs
+it on all of its threads, and every call made through asyncrpc carries an id
+so that its two ends can be joined afterwards::
+
+    driver: with asyncrpc.trace("run.json"):
+      |-- begin --> every worker: profiler on (all threads); clock sample
+      |     caller: span "-> worker2: f()" --(call id)--> callee: span "f() <- worker0"
+      |-- finish -> every worker: profiler off; its trace and call spans come back
+      `-- _timeline.merge: a process per worker, clocks aligned, a flow per call
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pathlib
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from . import _runtime, _timeline
+from ._errors import AsyncRPCError
+
+__all__ = ["Trace", "outgoing", "trace"]
+
+_CLOCK_SAMPLES = 5
+_recorder: _Recorder | None = None
+_recorder_lock = threading.Lock()
+_call_ids = itertools.count(1)
+
+
+class _Recorder:
+    """This worker's half of a trace: the profiler (on a thread of its own) and call spans."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+        self.spans: list[dict[str, Any]] = []  # list.append is atomic: no lock needed
+        self.threads: dict[int, str] = {}
+        self._started = threading.Event()
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._text = ""
+        # torch's profiler is started and stopped on one thread; RPC calls may not be.
+        self._thread = threading.Thread(target=self._record, name="asyncrpc-trace", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise AsyncRPCError(f"torch's profiler did not start: {self._error}") from self._error
+
+    def finish(self) -> str:
+        self._stop.set()
+        self._stopped.wait()
+        if self._error is not None:
+            raise AsyncRPCError(f"torch's profiler failed: {self._error}") from self._error
+        return self._text
+
+    def _record(self) -> None:
+        from torch._C._profiler import _ExperimentalConfig
+        from torch.profiler import ProfilerActivity, profile
+
+        try:
+            config = _ExperimentalConfig(profile_all_threads=True)
+            prof = profile(activities=[ProfilerActivity.CPU], experimental_config=config)
+            prof.start()
+        except BaseException as exc:  # reported by start() to the caller
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        self._stop.wait()
+        try:
+            prof.stop()
+            with tempfile.TemporaryDirectory(prefix="asyncrpc-trace-") as folder:
+                path = pathlib.Path(folder, "trace.json")
+                prof.export_chrome_trace(str(path))
+                self._text = path.read_text()
+        except BaseException as exc:  # reported by finish() to the caller
+            self._error = exc
+        finally:
+            self._stopped.set()
+
+    def add(self, span: dict[str, Any], thread: tuple[int, str]) -> None:
+        self.threads.setdefault(*thread)
+        self.spans.append({**span, "tid": thread[0]})
+
+
+def _span(kind: str, name: str, start: int, **extra: Any) -> dict[str, Any]:
+    return {"kind": kind, "name": name, "start": start, "end": time.time_ns(), **extra}
+
+
+def _this_thread() -> tuple[int, str]:
+    return threading.get_native_id(), threading.current_thread().name
+
+
+class _Traced:
+    """A function sent while tracing: records its run on the callee under the call's id."""
+
+    def __init__(self, fn: Callable[..., Any], call_id: int, caller: str) -> None:
+        self.fn = fn
+        self.call_id = call_id
+        self.caller = caller
+        if hasattr(fn, "_wrapped_async_rpc_function"):
+            # torch reads this on the caller to send the call as async_execution.
+            self._wrapped_async_rpc_function = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        recorder = _recorder
+        if recorder is None:
+            return self.fn(*args, **kwargs)
+        start, thread = time.time_ns(), _this_thread()
+        label = f"{_label(self.fn)} <- {self.caller}"
+
+        def record(deferred: bool) -> None:
+            recorder.add(_span("run", label, start, id=self.call_id, deferred=deferred), thread)
+
+        try:
+            result = self.fn(*args, **kwargs)
+        except BaseException:
+            record(False)
+            raise
+        if isinstance(result, Future) and hasattr(self, "_wrapped_async_rpc_function"):
+            result.add_done_callback(lambda _: record(True))
+        else:
+            record(False)
+        return result
+
+
+def _label(fn: object) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return f"{name or type(fn).__name__}()"
+
+
+def outgoing(to: str, fn: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[[Any], None]]:
+    """While tracing: the function to send in place of `fn`, and a callback for the reply.
+
+    Outside a trace the function comes back unchanged and the callback does nothing.
+    """
+    recorder = _recorder
+    if recorder is None:
+        return fn, _ignore
+    wrapped = getattr(fn, "_wrapped_async_rpc_function", fn)
+    start, thread = time.time_ns(), _this_thread()
+    if isinstance(wrapped, torch.jit.ScriptFunction):
+        call_id = 0  # sent by name to TorchScript: the callee's side cannot be marked
+        sent: Callable[..., Any] = fn
+    else:
+        call_id = (_runtime.current_context().rank << 32) + next(_call_ids)
+        sent = _Traced(fn, call_id, _runtime.current_context().name)
+    label = f"-> {to}: {_label(fn)}"
+
+    def replied(_: Any) -> None:
+        recorder.add(_span("call", label, start, id=call_id, to=to), thread)
+
+    return sent, replied
+
+
+def _ignore(_: Any) -> None:
+    pass
+
+
+def _boot_id() -> str:
+    try:
+        return pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return f"pid-{os.getpid()}"
+
+
+def _begin(session: str) -> dict[str, Any]:
+    global _recorder
+    with _recorder_lock:
+        if _recorder is not None:
+            raise AsyncRPCError(
+                f"{_runtime.current_context().name} is already recording a trace "
+                f"({_recorder.session}); close it before opening another"
+            )
+        recorder = _Recorder(session)
+        recorder.start()
+        _recorder = recorder
+    return {"boot": _boot_id(), "pid": os.getpid()}
+
+
+def _now() -> int:
+    return time.time_ns()
+
+
+def _finish(session: str) -> dict[str, Any]:
+    global _recorder
+    with _recorder_lock:
+        recorder = _recorder
+        if recorder is None or recorder.session != session:
+            raise AsyncRPCError(f"no trace {session} is recording on this worker")
+        _recorder = None
+    text = recorder.finish()
+    threads = dict(recorder.threads)
+    for thread in threading.enumerate():
+        if thread.native_id is not None:
+            threads.setdefault(thread.native_id, thread.name)
+    return {"trace": text, "spans": recorder.spans, "threads": threads, "pid": os.getpid()}
+
+
+def _clock_offset(name: str, here_boot: str, there_boot: str) -> int:
+    """Nanoseconds to subtract from `name`'s clock to read the caller's clock."""
+    if there_boot == here_boot:
+        return 0  # one kernel, one clock
+    samples = []
+    for _ in range(_CLOCK_SAMPLES):
+        sent = time.time_ns()
+        there = int(rpc.rpc_sync(name, _now))
+        back = time.time_ns()
+        samples.append((back - sent, there - (sent + back) // 2))
+    return min(samples)[1]  # the shortest round trip bounds the error best
+
+
+class Trace:
+    """The result of `asyncrpc.trace`: where the merged trace went, and what it holds.
+
+    Example::
+
+        with asyncrpc.trace("run.json") as t:
+            model(x)
+        print(t.path, t.workers, len(t.events))
+    """
+
+    def __init__(self, path: pathlib.Path, workers: Sequence[str]) -> None:
+        self.path = path
+        self.workers = tuple(workers)
+        self.events: list[dict[str, Any]] = []
+
+    def __repr__(self) -> str:
+        return f"Trace({str(self.path)!r}, workers={self.workers}, events={len(self.events)})"
+
+
+@contextmanager
+def trace(
+    path: str | os.PathLike[str], *, workers: Sequence[str] | None = None
+) -> Iterator[Trace]:
+    """Record every worker with torch's profiler; on exit write one merged trace to `path`.
+
+    The file opens in Perfetto (ui.perfetto.dev) or chrome://tracing: a
+    process per worker (named by worker name) with its threads, clocks
+    aligned, each call made through asyncrpc as a span on the caller with an
+    arrow to its run on the callee. `workers` limits it to some workers (the
+    caller is always included). Render a picture with `asyncrpc.render_trace`.
+
+    Example::
+
+        with asyncrpc.trace("ensemble.json"):
+            ensemble(x)
+        asyncrpc.render_trace("ensemble.json", "ensemble.png")
+    """
+    ctx = _runtime.current_context()
+    names = _traced_workers(ctx, workers)
+    target = pathlib.Path(path)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"cannot write the trace to {str(target)!r}: no such folder")
+    session = f"{ctx.name}-{os.getpid()}-{next(_call_ids)}"
+    here = _begin(session)
+    started = [ctx.name]
+    try:
+        info = {ctx.name: here}
+        for name in names:
+            if name != ctx.name:
+                info[name] = rpc.rpc_sync(name, _begin, args=(session,))
+                started.append(name)
+        offsets = {n: _clock_offset(n, here["boot"], info[n]["boot"]) for n in names}
+        result = Trace(target, names)
+        yield result
+    finally:
+        parts = _collect(session, started, ctx.name)
+    result.events = _timeline.merge(names, parts, offsets)
+    _timeline.write(target, result.events, names, offsets)
+
+
+def _traced_workers(ctx: _runtime.Context, workers: Sequence[str] | None) -> list[str]:
+    if workers is None:
+        return list(ctx.names)
+    if isinstance(workers, str):
+        raise TypeError(f"workers must be a list of names, got the string {workers!r}")
+    unknown = [w for w in workers if w not in ctx.names]
+    if unknown:
+        raise ValueError(f"workers {unknown} are not in this world; its workers: {ctx.names}")
+    return [n for n in ctx.names if n in workers or n == ctx.name]
+
+
+def _collect(session: str, started: list[str], me: str) -> dict[str, dict[str, Any]]:
+    futures = {n: rpc.rpc_async(n, _finish, args=(session,)) for n in started if n != me}
+    parts = {me: _finish(session)}
+    for name, fut in futures.items():
+        parts[name] = fut.wait()
+    return parts
