@@ -213,7 +213,8 @@ def _send(
         fut = rpc.rpc_async(to, sent, args=_tuple(args), kwargs=kwargs, timeout=seconds)
     except (TypeError, AttributeError) as exc:
         raise _unsendable(exc, to, label) from exc
-    fut.add_done_callback(replied)
+    if replied is not None:
+        fut.add_done_callback(replied)
     return cast(Future[Any], fut)
 
 
@@ -308,7 +309,8 @@ def remote_function(
     seconds = check_call("remote", to, fn, args, kwargs, timeout)
     sent, replied = _trace.outgoing(_name_of(to), fn)
     rref = rpc.remote(to, sent, args=_tuple(args), kwargs=kwargs, timeout=seconds)
-    rref._get_future().add_done_callback(replied)
+    if replied is not None:
+        rref._get_future().add_done_callback(replied)
     return cast(rpc.RRef[Any], rref)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -67,9 +66,10 @@ def render_trace(
     figure = Figure(figsize=(width, 1.4 + _ROW_INCHES * len(rows)), dpi=110)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    _draw_bars(axes, rows, spans)
+    colors = _colors(spans)
+    _draw_bars(axes, rows, spans, colors)
     _draw_arrows(axes, rows, events)
-    _decorate(axes, rows, labels, spans, title)
+    _decorate(axes, rows, labels, colors, title)
     figure.tight_layout()
     figure.savefig(os.fspath(png_path))
 
@@ -112,18 +112,31 @@ def _outermost(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
-def _color(span: dict[str, Any]) -> str:
+def _family(span: dict[str, Any]) -> str:
     if span.get("cat") == CATEGORY:
-        return _OURS.get(span.get("args", {}).get("kind"), _OURS["call"])
-    family = span["name"].split(" (")[0].rstrip("0123456789 ")
-    return _PALETTE[zlib.crc32(family.encode()) % len(_PALETTE)]
+        return "call (caller)" if span.get("args", {}).get("kind") == "call" else "run (callee)"
+    return str(span["name"]).split(" (")[0].rstrip("0123456789 ") or str(span["name"])
 
 
-def _draw_bars(axes: Any, rows: list[Row], spans: dict[Row, list[dict[str, Any]]]) -> None:
+def _colors(spans: dict[Row, list[dict[str, Any]]]) -> dict[str, tuple[float, str]]:
+    """Total time and color of each kind of span; the longest kinds get distinct colors."""
+    totals: dict[str, float] = defaultdict(float)
+    for span in (s for row_spans in spans.values() for s in row_spans):
+        totals[_family(span)] += span["dur"]
+    ours = {"call (caller)": _OURS["call"], "run (callee)": _OURS["run"]}
+    others = sorted((f for f in totals if f not in ours), key=lambda f: -totals[f])
+    colors = {f: _PALETTE[i % len(_PALETTE)] for i, f in enumerate(others)}
+    return {f: (totals[f], ours.get(f) or colors[f]) for f in totals}
+
+
+def _draw_bars(
+    axes: Any, rows: list[Row], spans: dict[Row, list[dict[str, Any]]], colors: dict[str, Any]
+) -> None:
     for y, row in enumerate(rows):
         by_color: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for span in spans[row]:
-            by_color[_color(span)].append((span["ts"] / 1e3, max(span["dur"] / 1e3, 0.02)))
+            color = colors[_family(span)][1]
+            by_color[color].append((span["ts"] / 1e3, max(span["dur"] / 1e3, 0.02)))
         for color, bars in by_color.items():
             axes.broken_barh(bars, (y - 0.38, 0.76), facecolors=color, edgecolors="none")
 
@@ -153,7 +166,7 @@ def _decorate(
     axes: Any,
     rows: list[Row],
     labels: dict[Row, str],
-    spans: dict[Row, list[dict[str, Any]]],
+    colors: dict[str, tuple[float, str]],
     title: str | None,
 ) -> None:
     from matplotlib.patches import Patch
@@ -166,14 +179,7 @@ def _decorate(
             axes.axhline(y - 0.5, color="0.6", lw=0.8)
     axes.grid(axis="x", color="0.9")
     axes.set_axisbelow(True)
-    totals: dict[str, tuple[float, str]] = {}
-    for span in (s for row in rows for s in spans[row]):
-        key = span["name"].split(" (")[0]
-        if span.get("cat") == CATEGORY:
-            key = "call (caller)" if span["args"].get("kind") == "call" else "run (callee)"
-        total, _ = totals.get(key, (0.0, ""))
-        totals[key] = (total + span["dur"], _color(span))
-    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:_LEGEND_ENTRIES]
+    top = sorted(colors.items(), key=lambda kv: -kv[1][0])[:_LEGEND_ENTRIES]
     handles = [Patch(color=color, label=name) for name, (_, color) in top]
     axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     if title:

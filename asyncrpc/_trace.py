@@ -138,18 +138,22 @@ class _Traced:
 
 
 def _label(fn: object) -> str:
+    if isinstance(fn, torch.jit.ScriptFunction):
+        return f"{fn.name}()"
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     return f"{name or type(fn).__name__}()"
 
 
-def outgoing(to: str, fn: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[[Any], None]]:
+def outgoing(
+    to: str, fn: Callable[..., Any]
+) -> tuple[Callable[..., Any], Callable[[Any], None] | None]:
     """While tracing: the function to send in place of `fn`, and a callback for the reply.
 
-    Outside a trace the function comes back unchanged and the callback does nothing.
+    Outside a trace: `fn` itself and no callback, so untraced calls cost nothing more.
     """
     recorder = _recorder
     if recorder is None:
-        return fn, _ignore
+        return fn, None
     wrapped = getattr(fn, "_wrapped_async_rpc_function", fn)
     start, thread = time.time_ns(), _this_thread()
     if isinstance(wrapped, torch.jit.ScriptFunction):
@@ -164,10 +168,6 @@ def outgoing(to: str, fn: Callable[..., Any]) -> tuple[Callable[..., Any], Calla
         recorder.add(_span("call", label, start, id=call_id, to=to), thread)
 
     return sent, replied
-
-
-def _ignore(_: Any) -> None:
-    pass
 
 
 def _boot_id() -> str:
@@ -266,21 +266,27 @@ def trace(
     if not target.parent.is_dir():
         raise FileNotFoundError(f"cannot write the trace to {str(target)!r}: no such folder")
     session = f"{ctx.name}-{os.getpid()}-{next(_call_ids)}"
-    here = _begin(session)
-    started = [ctx.name]
+    result = Trace(target, names)
+    started: list[str] = []
+    offsets: dict[str, int] = {}
     try:
-        info = {ctx.name: here}
+        info = {}
         for name in names:
-            if name != ctx.name:
-                info[name] = rpc.rpc_sync(name, _begin, args=(session,))
-                started.append(name)
-        offsets = {n: _clock_offset(n, here["boot"], info[n]["boot"]) for n in names}
-        result = Trace(target, names)
+            info[name] = _begin(session) if name == ctx.name else _begin_on(name, session)
+            started.append(name)
+        here = info[ctx.name]["boot"]
+        offsets = {n: _clock_offset(n, here, info[n]["boot"]) for n in names}
         yield result
     finally:
         parts = _collect(session, started, ctx.name)
-    result.events = _timeline.merge(names, parts, offsets)
-    _timeline.write(target, result.events, names, offsets)
+        if len(offsets) == len(names):
+            # Written even when the body raised: the timeline up to a failure helps most.
+            result.events = _timeline.merge(names, parts, offsets)
+            _timeline.write(target, result.events, names, offsets)
+
+
+def _begin_on(name: str, session: str) -> dict[str, Any]:
+    return dict(rpc.rpc_sync(name, _begin, args=(session,)))
 
 
 def _traced_workers(ctx: _runtime.Context, workers: Sequence[str] | None) -> list[str]:
@@ -296,7 +302,7 @@ def _traced_workers(ctx: _runtime.Context, workers: Sequence[str] | None) -> lis
 
 def _collect(session: str, started: list[str], me: str) -> dict[str, dict[str, Any]]:
     futures = {n: rpc.rpc_async(n, _finish, args=(session,)) for n in started if n != me}
-    parts = {me: _finish(session)}
+    parts = {me: _finish(session)} if me in started else {}
     for name, fut in futures.items():
         parts[name] = fut.wait()
     return parts
