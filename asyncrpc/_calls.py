@@ -208,7 +208,7 @@ def _send(
     label: object,
 ) -> Future[Any]:
     """torch's rpc_async; arguments that cannot be pickled raise SerializationError."""
-    sent, replied = _trace.outgoing(_name_of(to), fn)
+    sent, replied = _traced(to, fn)
     try:
         fut = rpc.rpc_async(to, sent, args=_tuple(args), kwargs=kwargs, timeout=seconds)
     except (TypeError, AttributeError) as exc:
@@ -307,11 +307,17 @@ def remote_function(
 ) -> rpc.RRef[Any]:
     """Run `fn(*args, **kwargs)` on worker `to` and keep the result there; return an RRef."""
     seconds = check_call("remote", to, fn, args, kwargs, timeout)
-    sent, replied = _trace.outgoing(_name_of(to), fn)
+    sent, replied = _traced(to, fn)
     rref = rpc.remote(to, sent, args=_tuple(args), kwargs=kwargs, timeout=seconds)
     if replied is not None:
         rref._get_future().add_done_callback(replied)
     return cast(rpc.RRef[Any], rref)
+
+
+def _traced(to: Target, fn: Callable[..., Any]) -> tuple[Callable[..., Any], Any]:
+    if not _trace.recording():
+        return fn, None  # the common case costs one global read
+    return _trace.outgoing(_name_of(to), fn)
 
 
 def _tuple(args: Sequence[Any] | None) -> tuple[Any, ...] | None:

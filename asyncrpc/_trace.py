@@ -30,7 +30,7 @@ from torch.futures import Future
 from . import _runtime, _timeline
 from ._errors import AsyncRPCError
 
-__all__ = ["Trace", "outgoing", "trace"]
+__all__ = ["Trace", "outgoing", "recording", "trace"]
 
 _CLOCK_SAMPLES = 5
 _recorder: _Recorder | None = None
@@ -142,6 +142,11 @@ def _label(fn: object) -> str:
         return f"{fn.name}()"
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     return f"{name or type(fn).__name__}()"
+
+
+def recording() -> bool:
+    """True while this worker records a trace."""
+    return _recorder is not None
 
 
 def outgoing(

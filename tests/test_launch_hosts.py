@@ -135,6 +135,13 @@ def test_calls_chains_and_rrefs_cross_the_hosts(hosts: tuple[Host, Host]) -> Non
         "total": [3.0, 3.0],
     }
     assert result["chained"] == [3.0, 3.0]  # (1 + 1 on worker1) + 1 on worker2
+    # The relay traced: one process per worker, each hop's run inside its call.
+    assert result["trace"] == {
+        "processes": ["worker0", "worker1", "worker2", "worker3"],
+        "pairs": 3,
+        "inside": True,
+        "flows": 3,
+    }
     # Made from host 0, owned on host 1, used from both.
     assert result["rref"] == {
         "owner": "worker3",

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import sys
+import tempfile
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -81,6 +83,20 @@ def touch_from_here(tally: asyncrpc.RemoteObject[Tally]) -> int:
     return int(tally.call("touch", where()))
 
 
+def summarize(events: list[dict[str, Any]]) -> dict[str, object]:
+    """Processes of a merged trace, and whether every run lies inside its call."""
+    spans = [e for e in events if e.get("cat") == "asyncrpc" and e["ph"] == "X"]
+    calls = {e["args"]["call"]: e for e in spans if e["args"]["kind"] == "call"}
+    runs = {e["args"]["call"]: e for e in spans if e["args"]["kind"] == "run"}
+    inside = [
+        calls[i]["ts"] <= run["ts"] and run["ts"] + run["dur"] <= calls[i]["ts"] + calls[i]["dur"]
+        for i, run in runs.items()
+    ]
+    processes = sorted(e["args"]["name"] for e in events if e["name"] == "process_name")
+    flows = sum(e["ph"] == "s" for e in events)
+    return {"processes": processes, "pairs": len(inside), "inside": all(inside), "flows": flows}
+
+
 def on_every_worker(ctx: asyncrpc.Context, fn: Callable[[], T]) -> dict[str, T]:
     replies = asyncrpc.gather([asyncrpc.rpc_async(n, fn) for n in ctx.names]).wait()
     return dict(zip(ctx.names, replies, strict=True))
@@ -88,7 +104,10 @@ def on_every_worker(ctx: asyncrpc.Context, fn: Callable[[], T]) -> dict[str, T]:
 
 def check(ctx: asyncrpc.Context) -> dict[str, object]:
     path = ["worker2", "worker1", "worker3"]  # host 1, host 0, host 1
-    trail, total = asyncrpc.rpc_sync(path[0], relay, args=(path, torch.zeros(2)))
+    with tempfile.TemporaryDirectory() as folder:
+        with asyncrpc.trace(pathlib.Path(folder, "relay.json")) as trace:
+            trail, total = asyncrpc.rpc_sync(path[0], relay, args=(path, torch.zeros(2)))
+        timeline = summarize(trace.events)
     chained = asyncrpc.rpc_sync(
         "worker2", async_add_chained, args=("worker1", torch.ones(2), 1, 1)
     )
@@ -100,6 +119,7 @@ def check(ctx: asyncrpc.Context) -> dict[str, object]:
         "hosts": on_every_worker(ctx, where),
         "relay": {"trail": trail, "total": total.tolist()},
         "chained": chained.tolist(),
+        "trace": timeline,
         "rref": {"owner": tally.owner, "seen": tally.call("history")},
         "listeners": on_every_worker(ctx, listeners),
     }
