@@ -232,3 +232,12 @@ def test_the_traced_ensemble_example_writes_the_trace_and_the_picture(
         }
         assert len(threads) == 2, (worker, threads)
     assert (tmp_path / "trace_ensemble.png").stat().st_size > 10_000
+
+
+@pytest.mark.subprocess
+def test_the_trace_overhead_benchmark_runs_at_a_small_size() -> None:
+    script = str(ROOT / "benchmarks" / "trace_overhead.py")
+    result = run_program("python", script, "--calls", "30", "--rounds", "1", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.endswith("x")]
+    assert [row.split()[0] for row in rows] == ["rpc_sync", "BiLSTM"], result.stdout
