@@ -275,10 +275,7 @@ def trace(
     started: list[str] = []
     offsets: dict[str, int] = {}
     try:
-        info = {}
-        for name in names:
-            info[name] = _begin(session) if name == ctx.name else _begin_on(name, session)
-            started.append(name)
+        info = _begin_everywhere(session, names, ctx.name, started)
         here = info[ctx.name]["boot"]
         offsets = {n: _clock_offset(n, here, info[n]["boot"]) for n in names}
         yield result
@@ -290,8 +287,23 @@ def trace(
             _timeline.write(target, result.events, names, offsets)
 
 
-def _begin_on(name: str, session: str) -> dict[str, Any]:
-    return dict(rpc.rpc_sync(name, _begin, args=(session,)))
+def _begin_everywhere(
+    session: str, names: list[str], me: str, started: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Start recording on every worker at once; `started` lists those that did."""
+    info = {me: _begin(session)}  # first: if this one fails, nothing else started
+    started.append(me)
+    pending = {n: rpc.rpc_async(n, _begin, args=(session,)) for n in names if n != me}
+    failures = []
+    for name, fut in pending.items():
+        try:
+            info[name] = dict(fut.wait())
+            started.append(name)
+        except Exception as exc:  # the others must still be stopped by the caller
+            failures.append(exc)
+    if failures:
+        raise failures[0]
+    return info
 
 
 def _traced_workers(ctx: _runtime.Context, workers: Sequence[str] | None) -> list[str]:

@@ -186,6 +186,20 @@ def test_bad_arguments_fail_before_anything_records(tmp_path: pathlib.Path) -> N
     assert trace.workers == ("worker0", "worker2")
 
 
+def test_a_worker_that_cannot_start_leaves_the_others_stopped(tmp_path: pathlib.Path) -> None:
+    asyncrpc.rpc_sync("worker1", _trace._begin, args=("stray",))
+    try:
+        with pytest.raises(Exception, match="already recording a trace"):
+            with asyncrpc.trace(tmp_path / "t.json"):
+                pass
+        assert not _trace.recording()
+        with asyncrpc.trace(tmp_path / "t.json", workers=["worker2"]) as trace:
+            asyncrpc.rpc_sync("worker2", work, args=(10,))
+        assert ours(trace.events, "run")
+    finally:
+        asyncrpc.rpc_sync("worker1", _trace._finish, args=("stray",))
+
+
 def test_untraced_calls_send_the_function_itself() -> None:
     assert _trace.outgoing("worker1", work) == (work, None)
 
