@@ -12,7 +12,7 @@ Example::
         asyncrpc.run(main, world_size=2)
 """
 
-from ._calls import rpc_async, rpc_sync
+from ._calls import remote, rpc_async, rpc_sync
 from ._ensemble import Ensemble
 from ._errors import (
     AsyncRPCError,
@@ -23,6 +23,7 @@ from ._errors import (
     NotAFutureError,
     NotInitializedError,
     PortInUseError,
+    RemoteError,
     RendezvousError,
     SerializationError,
     UnknownWorkerError,
@@ -30,13 +31,13 @@ from ._errors import (
     WorkerUnreachableError,
     WorldSizeMismatchError,
 )
-from ._execution import async_execution
+from ._execution import async_execution, enable_await
 from ._fanout import Fanout, fanout
-from ._remote import RemoteModule, RemoteObject, call_all, remote
+from ._handles import RemoteModule, RemoteObject, call_all, spawn
 from ._render import render_trace
-from ._runtime import Context, Settings, current_context, init, shutdown
+from ._supervisor import run
 from ._trace import Trace, trace
-from ._world import run
+from ._world import Context, Settings, current_context, init, shutdown
 from .futures import (
     as_completed,
     chain,
@@ -61,6 +62,7 @@ __all__ = (
     "NotAFutureError",
     "NotInitializedError",
     "PortInUseError",
+    "RemoteError",
     "RemoteModule",
     "RemoteObject",
     "RendezvousError",
@@ -77,6 +79,7 @@ __all__ = (
     "chain",
     "completed",
     "current_context",
+    "enable_await",
     "failed",
     "fanout",
     "gather",
@@ -87,6 +90,7 @@ __all__ = (
     "rpc_sync",
     "run",
     "shutdown",
+    "spawn",
     "trace",
     "wait_first",
     "with_timeout",

@@ -1,60 +1,167 @@
-"""Checked RPC calls: torch's `rpc_sync`, `rpc_async` and `remote`, same signatures.
+"""The one call path: torch's `rpc_sync`, `rpc_async` and `remote`, same signatures.
 
-The checks run on the caller before anything is sent, so a mistake fails
-at once with a message instead of a remote error or a timeout::
+These three, every handle verb, `call_all` and the Ensemble's shards all go
+through `check` and `send`, and read their reply through one step, so a
+mistake, a dead worker, a timeout or a remote exception is reported the same
+way whichever verb made the call::
 
-    caller: check world running, `to` known, `fn` callable, args a tuple,
-            timeout finite and >= 0  --> torch.distributed.rpc.<verb>(...)
+    caller                                            callee
+    check: a world runs, `to` is known, func callable,
+           args a tuple, kwargs a dict, timeout >= 0
+    trace hook (one global read when not tracing)
+    Python function: sent as run_python(func, ...)  ─> runs func; an exception
+      (torch operators and TorchScript go as they      is returned as a Failure
+      are)                                              value, type and all
+    torch.distributed.rpc.rpc_async / remote
+    reply read: wait(), value(), await           <──
+      a Failure ─> raised (its own type, and RemoteError)
+      torch's RuntimeError ─> CallTimeoutError, WorkerUnreachableError,
+                              SerializationError, naming the worker
+    rpc_sync from an RPC thread: refused when it would take the last free one
+
+The reply of `rpc_async` is one `then` on torch's Future plus torch's own
+unwrap hook; nothing else runs per call.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeAlias, cast
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeAlias, TypeVar, cast, overload
 
+import torch
 import torch.distributed.rpc as rpc
-from torch._C._distributed_rpc import WorkerInfo
 from torch.futures import Future
 
-from . import _runtime, _trace
-from ._errors import (
-    CallTimeoutError,
-    NestedCallError,
-    NotInitializedError,
-    SerializationError,
-    UnknownWorkerError,
-    WorkerUnreachableError,
-)
+from . import _failures, _torch, _trace, _world
+from ._errors import NestedCallError, UnknownWorkerError
+from ._failures import check_reply, label_of
 from ._futures import check_seconds
+from ._torch import WorkerInfo
 
 __all__ = [
-    "call_async",
     "call_sync",
-    "check_call",
+    "check",
     "check_timeout",
-    "explain_failure",
-    "remote_function",
+    "remote",
     "rpc_async",
     "rpc_sync",
+    "run_python",
+    "run_python_async",
+    "send",
+    "send_remote",
 ]
 
-_DEFAULT = rpc.constants.UNSET_RPC_TIMEOUT
-
+T = TypeVar("T")
 Target: TypeAlias = str | int | WorkerInfo
+UNSET_RPC_TIMEOUT = _torch.UNSET_TIMEOUT
 
 
-def check_call(
-    verb: str, to: object, fn: object, args: object, kwargs: object, timeout: float | None
-) -> float:
-    """Validate one call; return the timeout in torch's terms (-1: the world's default)."""
-    if not _runtime.is_running():
-        raise NotInitializedError(_runtime._not_running_message(f"asyncrpc.{verb}"))
-    _check_target(verb, to)
-    if not callable(fn):
+# ---- the public verbs -----------------------------------------------------------------
+
+
+@overload
+def rpc_sync(
+    to: Target,
+    func: Callable[..., Coroutine[Any, Any, T]],
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> T: ...
+@overload
+def rpc_sync(
+    to: Target,
+    func: Callable[..., T],
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> T: ...
+def rpc_sync(
+    to: Target,
+    func: Callable[..., Any],
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Any:
+    """Run `func(*args, **kwargs)` on worker `to` and return its result (torch's signature).
+
+    Example::
+
+        total = asyncrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+    """
+    worker, seconds = check("rpc_sync", to, func, args, kwargs, timeout)
+    return call_sync(worker, to, func, args, kwargs, seconds, func)
+
+
+@overload
+def rpc_async(
+    to: Target,
+    func: Callable[..., Coroutine[Any, Any, T]],
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Future[T]: ...
+@overload
+def rpc_async(
+    to: Target,
+    func: Callable[..., T],
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Future[T]: ...
+def rpc_async(
+    to: Target,
+    func: Callable[..., Any],
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Future[Any]:
+    """Start `func(*args, **kwargs)` on worker `to`; a Future of its result (torch's signature).
+
+    Example::
+
+        fut = asyncrpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+        print(fut.wait())
+    """
+    worker, seconds = check("rpc_async", to, func, args, kwargs, timeout)
+    return send(worker, to, func, args, kwargs, seconds, func)
+
+
+def remote(
+    to: Target,
+    func: Callable[..., T],
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> rpc.RRef[T]:
+    """Run `func(*args, **kwargs)` on `to` and keep the result there: torch's `remote`.
+
+    Returns torch's RRef, for a function and a class alike (to build an
+    object and call its methods, `asyncrpc.spawn` gives a handle instead).
+
+    Example::
+
+        rref = asyncrpc.remote("worker1", torch.zeros, args=((3,),))
+        print(rref.to_here())  # tensor([0., 0., 0.])
+    """
+    worker, seconds = check("remote", to, func, args, kwargs, timeout)
+    return send_remote(worker, to, func, args, kwargs, seconds, func)
+
+
+# ---- checks ---------------------------------------------------------------------------
+
+
+def check(
+    verb: str, to: object, func: object, args: object, kwargs: object, timeout: float | None
+) -> tuple[str, float]:
+    """Validate one call; return the worker's name and the timeout in torch's terms."""
+    world = _world._world or _world.current_world(f"asyncrpc.{verb}")
+    worker = _worker_name(verb, to, world.context.names)
+    if not callable(func):
         raise TypeError(
-            f"{verb}: got a {type(fn).__name__} where a callable was expected; pass the "
+            f"{verb}: got a {type(func).__name__} where a callable was expected; pass the "
             f"function itself: {verb}(to, f, args=(x,)) rather than {verb}(to, f(x))"
         )
     if args is not None and not isinstance(args, (tuple, list)):
@@ -64,11 +171,10 @@ def check_call(
         )
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"{verb}: kwargs must be a dict, got {type(kwargs).__name__}")
-    return check_timeout(verb, timeout)
+    return worker, check_timeout(verb, timeout)
 
 
-def _check_target(verb: str, to: object) -> None:
-    names: Sequence[str] = _runtime.known_names()
+def _worker_name(verb: str, to: object, names: Sequence[str]) -> str:
     if isinstance(to, str):
         if to not in names:
             close = difflib.get_close_matches(to, names, n=1)
@@ -76,57 +182,167 @@ def _check_target(verb: str, to: object) -> None:
             raise UnknownWorkerError(
                 f"{verb}: no worker is named {to!r}; {hint}this world has {list(names)}"
             )
-    elif isinstance(to, int) and not isinstance(to, bool):
+        return to
+    if isinstance(to, int) and not isinstance(to, bool):
         if not 0 <= to < len(names):
             raise UnknownWorkerError(
                 f"{verb}: no worker has rank {to}; ranks run from 0 to {len(names) - 1}"
             )
-    elif not isinstance(to, WorkerInfo):
-        raise TypeError(
-            f"{verb}: 'to' must be a worker name, rank or WorkerInfo, got "
-            f"{type(to).__name__} {to!r:.60}"
-        )
+        return names[to]
+    if isinstance(to, WorkerInfo):
+        return _worker_name(verb, str(to.name), names)
+    raise TypeError(
+        f"{verb}: 'to' must be a worker name, rank or WorkerInfo, got "
+        f"{type(to).__name__} {to!r:.60}"
+    )
 
 
 def check_timeout(verb: str, timeout: float | None) -> float:
-    """A timeout in torch's terms: None (or torch's -1) means the world's default."""
-    if timeout is None or timeout == _DEFAULT:
-        return _DEFAULT
+    """A timeout in torch's terms: torch's -1 (or None) means the world's default."""
+    if timeout is None or timeout == UNSET_RPC_TIMEOUT:
+        return UNSET_RPC_TIMEOUT
     return check_seconds(verb, timeout, hint=" (0: no timeout)")
 
 
-def rpc_sync(
+# ---- sending and reading the reply ----------------------------------------------------
+
+
+def send(
+    worker: str,
     to: Target,
-    fn: Callable[..., Any],
-    args: Sequence[Any] | None = None,
-    kwargs: Mapping[str, Any] | None = None,
-    timeout: float | None = None,
-) -> Any:
-    """Run `fn(*args, **kwargs)` on worker `to` and return its result.
+    func: Callable[..., Any],
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    seconds: float,
+    label: object,
+) -> Future[Any]:
+    """torch's rpc_async after `check`; the reply reads as described in the module doc."""
+    sent, replied = _traced(worker, func)
+    sent, args, kwargs = _wrapped(sent, args, kwargs)
+    try:
+        fut = rpc.rpc_async(to, sent, args=args, kwargs=kwargs, timeout=seconds)
+    except Exception as exc:
+        _failures.raise_unsendable(exc, worker, label)
+    if replied is not None:
+        fut.add_done_callback(replied)
+    reply = fut.then(functools.partial(_settle, worker, label))
+    _torch.set_unwrap(reply, check_reply)
+    return reply  # type: ignore[no-any-return]
 
-    Example::
 
-        total = asyncrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
-    """
-    return call_sync(to, fn, args, kwargs, timeout, fn)
+def send_remote(
+    worker: str,
+    to: Target,
+    func: Callable[..., T],
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    seconds: float,
+    label: object,
+) -> rpc.RRef[T]:
+    """torch's remote after `check`; the owner keeps the value (or the exception)."""
+    sent, replied = _traced(worker, func)
+    try:
+        rref = rpc.remote(to, sent, args=_tuple(args), kwargs=kwargs, timeout=seconds)
+    except Exception as exc:
+        _failures.raise_unsendable(exc, worker, label)
+    if replied is not None:
+        _torch.rref_future(rref).add_done_callback(replied)
+    return rref  # type: ignore[no-any-return]
 
 
 def call_sync(
+    worker: str,
     to: Target,
-    fn: Callable[..., Any],
+    func: Callable[..., Any],
     args: Sequence[Any] | None,
     kwargs: Mapping[str, Any] | None,
-    timeout: float | None,
+    seconds: float,
     label: object,
 ) -> Any:
-    """rpc_sync, with `label` naming the call in errors (a handle's method, say)."""
-    seconds = check_call("rpc_sync", to, fn, args, kwargs, timeout)
-    with _holding_rpc_thread(to, label):
-        fut = _send(to, fn, args, kwargs, seconds, label)
-        try:
-            return fut.wait()
-        except RuntimeError as exc:
-            raise explain_failure(exc, to, label) from None
+    """`send` and wait for the reply, refusing to block the last free RPC thread."""
+    with _holding_rpc_thread(worker, label):
+        return send(worker, to, func, args, kwargs, seconds, label).wait()
+
+
+def _settle(worker: str, label: object, fut: Future[Any]) -> Any:
+    try:
+        return fut.value()
+    except BaseException as exc:  # every outcome must reach the reply
+        return _failures.failure_of(_failures.name_failure(exc, worker, label))
+
+
+def _traced(worker: str, func: Callable[..., Any]) -> tuple[Callable[..., Any], Any]:
+    if not _trace.recording():
+        return func, None  # the common case costs one global read
+    return _trace.outgoing(worker, func)
+
+
+def _wrapped(
+    func: Callable[..., Any], args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+) -> tuple[Callable[..., Any], tuple[Any, ...] | None, Mapping[str, Any] | None]:
+    """A Python function goes inside run_python so that its exception keeps its type."""
+    target = _torch.async_target(func)
+    if _torch.is_builtin(func) or isinstance(func, torch.jit.ScriptFunction):
+        return func, _tuple(args), kwargs
+    if isinstance(target, torch.jit.ScriptFunction):
+        return func, _tuple(args), kwargs
+    runner = run_python if target is None else run_python_async
+    return runner, (func, _tuple(args) or (), dict(kwargs or {})), None
+
+
+def _tuple(args: Sequence[Any] | None) -> tuple[Any, ...] | None:
+    return None if args is None else tuple(args)
+
+
+# ---- the callee's side ----------------------------------------------------------------
+
+
+def run_python(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run a called function on the callee; an exception becomes the call's value."""
+    try:
+        return func(*args, **kwargs)
+    except Exception as exc:
+        return _failures.capture(exc, _where(), func)
+
+
+def run_python_async(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Future[Any]:
+    """run_python for an async_execution function: its Future's failure becomes a value."""
+    try:
+        fut = func(*args, **kwargs)
+    except Exception as exc:
+        return _futures_completed(_failures.capture(exc, _where(), func))
+    if not isinstance(fut, _torch.FutureType):
+        return fut  # type: ignore[no-any-return]  # torch's own check reports it
+    return cast(Future[Any], fut.then(functools.partial(_settle_remote, func)))
+
+
+_torch.mark_async(run_python_async, run_python_async)
+
+
+def _settle_remote(func: Callable[..., Any], fut: Future[Any]) -> Any:
+    try:
+        return fut.wait()
+    except Exception as exc:
+        return _failures.capture(exc, _where(), func)
+
+
+def _futures_completed(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _where() -> str:
+    try:
+        ctx = _world.current_context()
+    except RuntimeError:
+        return "this process"
+    return f"worker {ctx.name!r} (rank {ctx.rank})"
+
+
+# ---- blocking calls from RPC threads --------------------------------------------------
 
 
 class _RpcThreads:
@@ -141,22 +357,21 @@ _rpc_threads = _RpcThreads()
 
 
 class _holding_rpc_thread:
-    """Count a blocking call made from an RPC thread; refuse the one that takes the last."""
+    """Count a blocking wait made on an RPC thread; refuse the one that takes the last."""
 
-    def __init__(self, to: object, label: object) -> None:
-        # torch's RPC threads are not Python threads: Python sees them as dummies.
-        self.nested = isinstance(threading.current_thread(), threading._DummyThread)
-        self.to, self.label = to, label
+    def __init__(self, worker: str, label: object) -> None:
+        self.nested = _torch.is_rpc_thread()
+        self.worker, self.label = worker, label
 
     def __enter__(self) -> None:
         if not self.nested:
             return
-        limit = _runtime.current_settings().num_worker_threads - 1
+        limit = _world.current_world("rpc_sync").threads - 1
         with _rpc_threads.lock:
             if _rpc_threads.blocked >= limit:
                 raise NestedCallError(
-                    f"rpc_sync of {_fn_name(self.label)} to {_name_of(self.to)!r} from inside an "
-                    f"RPC would block the last free RPC thread of this worker ({limit} of "
+                    f"rpc_sync of {label_of(self.label)} to {self.worker!r} from inside an RPC "
+                    f"would block the last free RPC thread of this worker ({limit} of "
                     f"{limit + 1} already wait in nested rpc_sync calls), and the worker would "
                     "stall until they time out; make the function @asyncrpc.async_execution "
                     "and return or await rpc_async(...) instead of calling rpc_sync"
@@ -167,158 +382,3 @@ class _holding_rpc_thread:
         if self.nested:
             with _rpc_threads.lock:
                 _rpc_threads.blocked -= 1
-
-
-def _unsendable(exc: BaseException, to: object, fn: object) -> BaseException:
-    if "pickle" not in str(exc).lower():
-        return exc
-    return SerializationError(
-        f"the arguments of {_fn_name(fn)} could not be sent to {_name_of(to)!r}: {exc}; "
-        "pass tensors, numbers, strings and containers of them, or objects of classes "
-        "both sides can import (keep others on their owner with asyncrpc.remote)"
-    )
-
-
-def rpc_async(
-    to: Target,
-    fn: Callable[..., Any],
-    args: Sequence[Any] | None = None,
-    kwargs: Mapping[str, Any] | None = None,
-    timeout: float | None = None,
-) -> Future[Any]:
-    """Start `fn(*args, **kwargs)` on worker `to`; return a Future of its result.
-
-    Example::
-
-        fut = asyncrpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
-        print(fut.wait())
-    """
-    # No wrapper Future here: a Python callback per call costs ~8% of a burst's
-    # throughput. Handle calls (call_async) name a dead worker; see explain_failure.
-    seconds = check_call("rpc_async", to, fn, args, kwargs, timeout)
-    return _send(to, fn, args, kwargs, seconds, fn)
-
-
-def _send(
-    to: Target,
-    fn: Callable[..., Any],
-    args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None,
-    seconds: float,
-    label: object,
-) -> Future[Any]:
-    """torch's rpc_async; arguments that cannot be pickled raise SerializationError."""
-    sent, replied = _traced(to, fn)
-    try:
-        fut = rpc.rpc_async(to, sent, args=_tuple(args), kwargs=kwargs, timeout=seconds)
-    except (TypeError, AttributeError) as exc:
-        raise _unsendable(exc, to, label) from exc
-    if replied is not None:
-        fut.add_done_callback(replied)
-    return cast(Future[Any], fut)
-
-
-def call_async(
-    to: Target,
-    fn: Callable[..., Any],
-    args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None,
-    timeout: float | None,
-    label: object,
-) -> Future[Any]:
-    """rpc_async, with `label` naming the call in errors (a handle's method, say)."""
-    fut = rpc_async(to, fn, args, kwargs, timeout)
-    out: Future[Any] = Future()
-
-    def settle(done: Future[Any]) -> None:
-        try:
-            out.set_result(done.wait())
-        except BaseException as exc:  # every outcome must reach `out`
-            out.set_exception(explain_failure(exc, to, label))
-
-    fut.add_done_callback(settle)
-    return out
-
-
-def explain_failure(exc: BaseException, to: object, fn: object) -> BaseException:
-    """Name the worker when a call failed because it is unreachable or too slow.
-
-    Other errors (the remote function raised) come back unchanged.
-    """
-    text = str(exc)
-    if "originated at tensorpipe/" in text or "Connection reset" in text:
-        name = _name_of(to)
-        err: BaseException = WorkerUnreachableError(
-            f"worker {name!r} cannot be reached, so the call to {_fn_name(fn)} failed; it "
-            f"has probably died (its own output or the launcher says why). Transport: "
-            f"{text.splitlines()[0] if text else type(exc).__name__}",
-            name,
-        )
-    elif "ran for more than set timeout" in text:
-        name = _name_of(to)
-        err = CallTimeoutError(
-            f"the call to {_fn_name(fn)} on worker {name!r} timed out: {text.splitlines()[0]}; "
-            f"pass a larger timeout=..., or check that {name!r} is not stuck",
-            name,
-        )
-    elif "pickle" in text.lower() and "serialize" in text:
-        first = text.splitlines()[0]
-        err = SerializationError(
-            f"the result of {_fn_name(fn)} on {_name_of(to)!r}, or the exception it raised, "
-            f"could not be sent back: {first}; return tensors or plain data (keep other "
-            "objects on the worker with asyncrpc.remote) and raise exceptions of built-in "
-            "types or of classes the caller can import"
-        )
-    elif "deserialize" in text and ("No module named" in text or "Can't get attribute" in text):
-        first = text.splitlines()[0]
-        err = SerializationError(
-            f"the reply of {_name_of(to)!r} to {_fn_name(fn)} could not be unpickled here: "
-            f"{first}; it holds an object (often a raised exception) of a class this process "
-            "cannot import. Make that module importable on the caller too; the worker's "
-            "output shows the original error"
-        )
-    else:
-        return exc
-    err.__cause__ = exc
-    return err
-
-
-def _name_of(to: object) -> str:
-    if isinstance(to, WorkerInfo):
-        return str(to.name)
-    if isinstance(to, int):
-        names = _runtime.known_names()
-        return names[to] if 0 <= to < len(names) else str(to)
-    return str(to)
-
-
-def _fn_name(fn: object) -> str:
-    if isinstance(fn, str):
-        return fn
-    return f"{getattr(fn, '__qualname__', type(fn).__name__)}()"
-
-
-def remote_function(
-    to: Target,
-    fn: Callable[..., Any],
-    args: Sequence[Any] | None = None,
-    kwargs: Mapping[str, Any] | None = None,
-    timeout: float | None = None,
-) -> rpc.RRef[Any]:
-    """Run `fn(*args, **kwargs)` on worker `to` and keep the result there; return an RRef."""
-    seconds = check_call("remote", to, fn, args, kwargs, timeout)
-    sent, replied = _traced(to, fn)
-    rref = rpc.remote(to, sent, args=_tuple(args), kwargs=kwargs, timeout=seconds)
-    if replied is not None:
-        rref._get_future().add_done_callback(replied)
-    return cast(rpc.RRef[Any], rref)
-
-
-def _traced(to: Target, fn: Callable[..., Any]) -> tuple[Callable[..., Any], Any]:
-    if not _trace.recording():
-        return fn, None  # the common case costs one global read
-    return _trace.outgoing(_name_of(to), fn)
-
-
-def _tuple(args: Sequence[Any] | None) -> tuple[Any, ...] | None:
-    return None if args is None else tuple(args)

@@ -2,10 +2,11 @@
 
     caller                                  each worker holding members
     Ensemble(factory, n, workers=[...])
-      └─ remote(worker, _Shard, ...) ─────> _Shard builds its members there
+      └─ spawn(worker, _Shard, ...) ──────> _Shard builds its members there
                                             (factory(*args) under seed + index)
     ens(x) / ens.call_async(x)
-      └─ call_async("forward", x) ────────> Fanout over its members
+      └─ call_async("forward", x) ────────> Fanout over its members, on its own
+                                            threads: no RPC thread waits for them
                                             sum / mean: one partial sum back
                                             stack / custom: every output back
       <── gather (member order) ── combine ─┘
@@ -26,8 +27,9 @@ import torch
 from torch.futures import Future
 
 from . import _futures
+from ._execution import async_execution
 from ._fanout import Engine, Fanout
-from ._remote import RemoteObject, remote
+from ._handles import RemoteObject, spawn
 
 Combine = str | Callable[[list[Any]], Any]
 _MODES = ("sum", "mean", "stack")
@@ -62,6 +64,11 @@ def build_members(
     return members
 
 
+def _sum(outputs: list[torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.stack(outputs).sum(dim=0)
+
+
 class _Shard:
     """The members one worker holds, run with the local fan-out (lives on that worker)."""
 
@@ -77,11 +84,12 @@ class _Shard:
         self.members = build_members(factory, indices, args, seed)
         self.fan = Fanout(self.members, engine=engine, threads=threads)
 
-    def forward(self, reduce: bool, *args: Any) -> Any:
-        with torch.no_grad():
-            outputs = self.fan(*args)
-            # Summing here sends one tensor back instead of one per member.
-            return torch.stack(outputs).sum(dim=0) if reduce else outputs
+    @async_execution
+    def forward(self, reduce: bool, *args: Any) -> Future[Any]:
+        with torch.no_grad():  # the fan-out's threads take the caller's grad mode
+            outputs = self.fan.call_async(*args)
+        # Summing here sends one tensor back instead of one per member.
+        return _futures.chain(outputs, _sum) if reduce else outputs
 
 
 class Ensemble:
@@ -135,7 +143,7 @@ class Ensemble:
             self._local = Fanout(members, engine=engine, threads=threads)
             return
         for worker, indices in _blocks(self.placement):
-            handle = remote(worker, _Shard, factory, indices, args, seed, engine, threads)
+            handle = spawn(worker, _Shard, factory, indices, args, seed, engine, threads)
             self._shards.append((handle, indices))
 
     def __call__(self, *args: Any) -> Any:

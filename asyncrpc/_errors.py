@@ -3,10 +3,15 @@
 Each class is named by what happened. All derive from `AsyncRPCError`, and
 each also derives from the built-in exception a caller would catch without
 knowing asyncrpc (`LookupError` for an unknown worker, `OSError` for a busy
-port, `RuntimeError` for RPC used outside a world).
+port). Where an error stands for a failure torch reports itself, it is also
+an instance of the type torch raises there (`RuntimeError` for a timeout, a
+dead worker or RPC used outside a world) and keeps torch's text in its
+message, so code written against torch keeps catching it.
 """
 
 from __future__ import annotations
+
+import pickle
 
 __all__ = [
     "AsyncRPCError",
@@ -16,6 +21,7 @@ __all__ = [
     "NotAFutureError",
     "NotInitializedError",
     "PortInUseError",
+    "RemoteError",
     "RendezvousError",
     "UnknownWorkerError",
     "WorkerFailedError",
@@ -53,12 +59,31 @@ class DuplicateNameError(RendezvousError, ValueError):
     """Two workers asked for the same name."""
 
 
-class UnknownWorkerError(AsyncRPCError, LookupError):
-    """A call named a worker that is not part of the world."""
+class UnknownWorkerError(AsyncRPCError, LookupError, RuntimeError):
+    """A call named a worker that is not part of the world (torch: RuntimeError)."""
 
 
 class NotInitializedError(AsyncRPCError, RuntimeError):
-    """RPC was used outside a running world (before init or after shutdown)."""
+    """No RPC agent runs in this process (before init or after shutdown)."""
+
+
+class RemoteError(AsyncRPCError, RuntimeError):
+    """The remote function raised. The error is also an instance of the type it raised.
+
+    A `KeyError` raised on worker1 reaches the caller as an exception that is a
+    `KeyError`, a `RemoteError` and a `RuntimeError` (the type torch raises
+    for any remote failure). Its message ends with the worker and the remote
+    traceback; `remote_text` holds that part alone.
+
+    Example::
+
+        try:
+            asyncrpc.rpc_sync("worker1", {}.__getitem__, args=("missing",))
+        except KeyError as exc:
+            assert isinstance(exc, asyncrpc.RemoteError)
+    """
+
+    remote_text: str
 
 
 class NotAFutureError(AsyncRPCError, RuntimeError):
@@ -72,7 +97,7 @@ class AwaitedNonFutureError(AsyncRPCError, TypeError):
     """An `async_execution` coroutine awaited something that is not a torch Future."""
 
 
-class WorkerUnreachableError(AsyncRPCError, ConnectionError):
+class WorkerUnreachableError(AsyncRPCError, RuntimeError, ConnectionError):
     """A call could not reach its worker, or the connection broke (the worker has died).
 
     Attribute `name`: the worker that was called.
@@ -86,8 +111,11 @@ class WorkerUnreachableError(AsyncRPCError, ConnectionError):
         return (type(self), (str(self), self.name))
 
 
-class CallTimeoutError(AsyncRPCError, TimeoutError):
-    """A call did not complete within its timeout. Attribute `name`: the worker called."""
+class CallTimeoutError(AsyncRPCError, RuntimeError, TimeoutError):
+    """A call did not complete within its timeout. Attribute `name`: the worker called.
+
+    Also a RuntimeError, as torch raises for a timeout, with torch's text inside.
+    """
 
     def __init__(self, message: str, name: str) -> None:
         super().__init__(message)
@@ -135,8 +163,12 @@ class WorkerFailedError(AsyncRPCError):
         return (type(self), (self.name, self.rank, self.exitcode, self.remote_traceback))
 
 
-class SerializationError(AsyncRPCError, TypeError):
-    """An argument, a result or a remote exception could not be pickled or unpickled."""
+class SerializationError(AsyncRPCError, RuntimeError, TypeError, pickle.PicklingError):
+    """An argument, a result or a remote exception could not be pickled or unpickled.
+
+    Also each type torch or pickle raises there: `PicklingError` or `TypeError`
+    for an argument, `RuntimeError` for a reply.
+    """
 
 
 class NestedCallError(AsyncRPCError, RuntimeError):

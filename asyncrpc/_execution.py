@@ -14,13 +14,14 @@ torch sends the reply when that Future completes::
                         return value -> `out` completes
     result    <-----  torch sends `out`'s value
 
-Failures travel as torch's `RemoteException` value (message: worker, repr,
-traceback), exactly like a synchronous function that raised; locally the
-Future's `wait()` raises instead.
+Failures travel as a `Failure` value (see `_failures`): an asyncrpc caller
+raises the exception with its own type, a plain torch caller a RuntimeError
+naming it; locally the Future's `wait()` raises it.
 
-Importing asyncrpc makes torch Futures awaitable (`await fut`): inside an
-`async_execution` coroutine the coroutine is suspended until the Future is
-done; under a running asyncio loop the Future is bridged to that loop.
+torch Futures become awaitable (`await fut`) once asyncrpc needs it: when an
+`async def` is decorated here or an asyncrpc world starts (or is adopted).
+Inside an `async_execution` coroutine the coroutine is suspended until the
+Future is done; under a running asyncio loop the Future is bridged to it.
 """
 
 from __future__ import annotations
@@ -29,17 +30,16 @@ import asyncio
 import functools
 import inspect
 import threading
-import traceback
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, TypeVar, cast
 
 import torch
-from torch.distributed.rpc.internal import RemoteException
 from torch.futures import Future
 
+from . import _failures, _torch
 from ._errors import AwaitedNonFutureError, NotAFutureError
 
-__all__ = ["async_execution"]
+__all__ = ["async_execution", "enable_await", "start_coroutine"]
 
 F = TypeVar("F")
 
@@ -81,7 +81,7 @@ def async_execution(fn: F) -> F:
             f"async_execution expects a function, got {type(fn).__name__} {fn!r}; "
             f"decorate the def itself: @asyncrpc.async_execution above `def` or `async def`"
         )
-    wrapper._wrapped_async_rpc_function = fn  # type: ignore[attr-defined]
+    _torch.mark_async(wrapper, fn)
     return cast(F, wrapper)
 
 
@@ -97,42 +97,50 @@ def _wrap_returning_future(fn: Callable[..., Any]) -> Callable[..., Future[Any]]
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Future[Any]:
         fut = fn(*args, **kwargs)
-        if not isinstance(fut, torch._C.Future):
+        if not isinstance(fut, _torch.FutureType):
             raise NotAFutureError(
                 f"Functions decorated with @rpc.async_function must return a "
                 f"torch.futures.Future object, but {_name(fn)} returned "
                 f"{type(fut).__name__} {_short(fut)}; return {_AWAITABLES}, "
                 f"or write it as `async def` and return the value"
             )
-        # torch's Future.set_exception stores the error as the Future's value, so
-        # the callee would send it back as a normal result; surface it as an error.
-        out = fut.then(_capture_outcome)
-        out._set_unwrap_func(_raise_captured)
+        # A failure becomes the reply's value (a Failure), so that it crosses to the
+        # caller with its type; a local wait() raises it.
+        out = fut.then(functools.partial(_capture_outcome, fn))
+        _torch.set_unwrap(out, _failures.check_reply)
         return cast(Future[Any], out)
 
     return wrapper
 
 
 def _wrap_coroutine(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Future[Any]]:
+    enable_await()
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Future[Any]:
-        out: Future[Any] = Future()
-        out._set_unwrap_func(_raise_captured)
-        _Task(fn(*args, **kwargs), out, _name(fn)).step()
-        return out
+        return start_coroutine(fn(*args, **kwargs), fn)
 
     return wrapper
+
+
+def start_coroutine(coro: Coroutine[Any, Any, Any], fn: object) -> Future[Any]:
+    """Run `coro` on this thread until it awaits; a Future of its result (or Failure)."""
+    out: Future[Any] = Future()
+    _torch.set_unwrap(out, _failures.check_reply)
+    _Task(coro, out, fn).step()
+    return out
 
 
 class _Task:
     """Drives one coroutine: each awaited torch Future resumes it from its done-callback."""
 
-    __slots__ = ("_coro", "_name", "_out")
+    __slots__ = ("_coro", "_fn", "_name", "_out")
 
-    def __init__(self, coro: Coroutine[Any, Any, Any], out: Future[Any], name: str) -> None:
+    def __init__(self, coro: Coroutine[Any, Any, Any], out: Future[Any], fn: object) -> None:
         self._coro = coro
         self._out = out
-        self._name = name
+        self._fn = fn
+        self._name = _name(fn)
 
     def step(self, error: BaseException | None = None) -> None:
         outer, _driving.active = getattr(_driving, "active", False), True
@@ -142,11 +150,12 @@ class _Task:
             self._out.set_result(stop.value)
             return
         except BaseException as exc:  # every failure must reach the caller
-            self._out.set_result(_as_remote(self._explain(exc)))
+            failure = _failures.capture_for_torch(self._explain(exc), _where(), self._fn)
+            self._out.set_result(failure)
             return
         finally:
             _driving.active = outer
-        if isinstance(awaited, torch._C.Future):
+        if isinstance(awaited, _torch.FutureType):
             awaited.add_done_callback(self._resume)
         else:
             self.step(self._not_a_future(awaited))
@@ -178,44 +187,31 @@ class _Task:
         return exc
 
 
-def _capture_outcome(fut: Future[Any]) -> Any:
+def _capture_outcome(fn: object, fut: Future[Any]) -> Any:
     try:
         return fut.wait()
     except Exception as exc:
-        return _as_remote(exc)
-
-
-class _Captured(RemoteException):
-    """A failure as torch sends it (`RemoteException`), keeping the exception for local waits."""
-
-    error: BaseException
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (RemoteException, (self.msg, self.exception_type))
-
-
-def _as_remote(exc: BaseException) -> RemoteException:
-    tb = "".join(traceback.format_exception(exc))
-    captured = _Captured(f"On {_where()}:\n{exc!r}\n{tb}", type(exc))
-    captured.error = exc
-    return captured
-
-
-def _raise_captured(value: Any) -> Any:
-    if isinstance(value, _Captured):
-        raise value.error
-    if isinstance(value, RemoteException):
-        raise value.exception_type(value.msg)
-    return value
+        return _failures.capture_for_torch(exc, _where(), fn)
 
 
 def _where() -> str:
-    from ._runtime import current_context, is_running
+    from ._world import current_context, is_running
 
     if is_running():
         ctx = current_context()
         return f"worker {ctx.name!r} (rank {ctx.rank})"
     return "this process"
+
+
+def enable_await() -> None:
+    """Make torch Futures awaitable (`await fut`); asyncrpc calls it when it needs to.
+
+    Kept if torch ever ships its own `__await__`. Example::
+
+        asyncrpc.enable_await()
+        result = await asyncrpc.rpc_async("worker1", torch.add, args=(x, 1))
+    """
+    _torch.install_await(_await_future)
 
 
 def _name(fn: object) -> str:
@@ -261,12 +257,3 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-def _install_await() -> None:
-    """Give torch Futures an `__await__` (once; kept if torch ever ships its own)."""
-    if not hasattr(torch._C.Future, "__await__"):
-        torch._C.Future.__await__ = _await_future  # type: ignore[attr-defined]
-
-
-_install_await()

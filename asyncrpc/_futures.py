@@ -29,13 +29,14 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-import torch
 from torch.futures import Future
+
+from . import _torch
 
 __all__ = ["as_completed", "chain", "completed", "failed", "gather", "wait_first", "with_timeout"]
 
 T = TypeVar("T")
-_FutureType = torch._C.Future
+_FutureType = _torch.FutureType
 
 
 def completed(value: T) -> Future[T]:

@@ -53,12 +53,13 @@ examples:
 def _handler_class() -> type[Any]:
     # torch's rendezvous package loads the `torchrun.handlers` entry points while
     # it initializes, and that entry point is this module: import it lazily.
-    from torch._C._distributed_c10d import PrefixStore
     from torch.distributed.elastic.rendezvous import RendezvousInfo
     from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
         StaticTCPRendezvous,
     )
+
+    from ._torch import PrefixStore
 
     class BoundStaticRendezvous(StaticTCPRendezvous):
         """torch's static rendezvous, with the store bound to the master address only."""
@@ -177,12 +178,12 @@ def _set_child_env(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of `asyncrpc-launch`."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.run import run
 
+    from . import _torch
+
     args = build_args(sys.argv[1:] if argv is None else argv)
-    if BACKEND not in rendezvous_handler_registry._registry:
-        rendezvous_handler_registry.register(BACKEND, _create_handler)
+    _torch.register_rendezvous(BACKEND, _create_handler)
     _set_child_env(args)
     run(args)  # type: ignore[no-untyped-call]
 

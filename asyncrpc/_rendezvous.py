@@ -24,11 +24,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed.rendezvous import register_rendezvous_handler
 
 from ._errors import DuplicateNameError, RendezvousError, WorldSizeMismatchError
 from ._net import listen_on
+from ._torch import PrefixStore, Store, TCPStore
 
 __all__ = [
     "HANDOFF_URL",

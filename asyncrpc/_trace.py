@@ -27,7 +27,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from . import _runtime, _timeline
+from . import _timeline, _torch, _world
 from ._errors import AsyncRPCError
 
 __all__ = ["Trace", "outgoing", "recording", "trace"]
@@ -67,11 +67,10 @@ class _Recorder:
         return self._text
 
     def _record(self) -> None:
-        from torch._C._profiler import _ExperimentalConfig
         from torch.profiler import ProfilerActivity, profile
 
         try:
-            config = _ExperimentalConfig(profile_all_threads=True)
+            config = _torch.profiler_config()
             prof = profile(activities=[ProfilerActivity.CPU], experimental_config=config)
             prof.start()
         except BaseException as exc:  # reported by start() to the caller
@@ -111,9 +110,9 @@ class _Traced:
         self.fn = fn
         self.call_id = call_id
         self.caller = caller
-        if hasattr(fn, "_wrapped_async_rpc_function"):
-            # torch reads this on the caller to send the call as async_execution.
-            self._wrapped_async_rpc_function = fn
+        self.is_async = _torch.async_target(fn) is not None
+        if self.is_async:
+            _torch.mark_async(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         recorder = _recorder
@@ -130,7 +129,7 @@ class _Traced:
         except BaseException:
             record(False)
             raise
-        if isinstance(result, Future) and hasattr(self, "_wrapped_async_rpc_function"):
+        if isinstance(result, Future) and self.is_async:
             result.add_done_callback(lambda _: record(True))
         else:
             record(False)
@@ -159,14 +158,14 @@ def outgoing(
     recorder = _recorder
     if recorder is None:
         return fn, None
-    wrapped = getattr(fn, "_wrapped_async_rpc_function", fn)
+    wrapped = _torch.async_target(fn) or fn
     start, thread = time.time_ns(), _this_thread()
     if isinstance(wrapped, torch.jit.ScriptFunction):
         call_id = 0  # sent by name to TorchScript: the callee's side cannot be marked
         sent: Callable[..., Any] = fn
     else:
-        call_id = (_runtime.current_context().rank << 32) + next(_call_ids)
-        sent = _Traced(fn, call_id, _runtime.current_context().name)
+        call_id = (_world.current_context().rank << 32) + next(_call_ids)
+        sent = _Traced(fn, call_id, _world.current_context().name)
     label = f"-> {to}: {_label(fn)}"
 
     def replied(_: Any) -> None:
@@ -187,7 +186,7 @@ def _begin(session: str) -> dict[str, Any]:
     with _recorder_lock:
         if _recorder is not None:
             raise AsyncRPCError(
-                f"{_runtime.current_context().name} is already recording a trace "
+                f"{_world.current_context().name} is already recording a trace "
                 f"({_recorder.session}); close it before opening another"
             )
         recorder = _Recorder(session)
@@ -265,7 +264,7 @@ def trace(
             ensemble(x)
         asyncrpc.render_trace("ensemble.json", "ensemble.png")
     """
-    ctx = _runtime.current_context()
+    ctx = _world.current_context()
     names = _traced_workers(ctx, workers)
     target = pathlib.Path(path)
     if not target.parent.is_dir():
@@ -306,7 +305,7 @@ def _begin_everywhere(
     return info
 
 
-def _traced_workers(ctx: _runtime.Context, workers: Sequence[str] | None) -> list[str]:
+def _traced_workers(ctx: _world.Context, workers: Sequence[str] | None) -> list[str]:
     if workers is None:
         return list(ctx.names)
     if isinstance(workers, str):

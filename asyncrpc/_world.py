@@ -1,285 +1,456 @@
-"""`asyncrpc.run`: one script, run embedded or under a launcher.
+"""The RPC world of this process: joining it, describing it, leaving it.
 
-Under torchrun (or `asyncrpc-launch`) every process already is a worker, so
-`run` joins the world and calls `main`. Without a launcher, the calling
-process becomes a supervisor: it hosts the rendezvous store on loopback,
-spawns the workers and watches them::
+`init` reads what it is not told from the launcher's environment (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_WORLD_SIZE), meets its peers
+through `_rendezvous`, binds TensorPipe to the right interface and starts
+torch's RPC agent. `shutdown` stops it and puts back what `init` changed
+(environment variables, torch's intra-op thread count). `Context` is what a
+worker knows of the world.
 
-    python script.py  (supervisor: store on 127.0.0.1:<free port>)
-       |-- spawn --> worker0: init -> main(ctx) -> shutdown --.
-       |-- spawn --> worker1: init -> main(ctx) -> shutdown --+-- exit codes,
-       |-- spawn --> worker2: init -> main(ctx) -> shutdown --'   tracebacks (pipe)
-       `-- first failure: stop the rest, raise WorkerFailedError naming the worker
+A world started by torch's own `rpc.init_rpc` is adopted on first use:
+names and ranks come from torch's agent (its worker infos), the RPC thread
+count and default timeout from the agent's options::
 
-Under a launcher, a worker that raises writes its name to the world's store;
-workers waiting in shutdown on other machines (which their own launcher
-would not stop) poll for it and leave::
-
-    node 0: worker0 raises --set failed=worker0--> store (node 0)
-    node 1: worker2 in shutdown <--check, every 0.5 s-- store -> exit 1
+    asyncrpc.init / run ──> _current (Context, store, settings)
+    rpc.init_rpc (torch) ──> adopted on first call: agent worker infos ──> Context
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
-import multiprocessing.connection
+import dataclasses
+import math
 import os
-import sys
+import socket
 import threading
-import time
-import traceback
-from collections.abc import Callable, Iterator, Mapping
-from multiprocessing.process import BaseProcess
+import warnings
+from collections.abc import Mapping
+from types import TracebackType
 from typing import Any
 
-import torch.distributed as dist
-from torch._C._distributed_c10d import Store
+import torch
+import torch.distributed.rpc as rpc
 
-from . import _rendezvous, _runtime
-from ._errors import WorkerFailedError
+from . import _net, _rendezvous, _torch
+from ._errors import AsyncRPCError, NotInitializedError, WorldSizeMismatchError
+from ._execution import enable_await
+from ._torch import Store
 
-__all__ = ["run"]
+__all__ = ["Context", "Settings", "current_context", "init", "shutdown", "start"]
 
-_GRACE_S = 3.0  # how long survivors get to exit on their own after a failure
-_KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL
-_WATCH_S = 0.5  # how often a worker waiting to shut down looks for a peer's failure
-
-
-def launched() -> bool:
-    """True when a launcher (torchrun, asyncrpc-launch) started this process as a worker."""
-    return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+_LOOPBACK = "127.0.0.1"
 
 
-def run(
-    main: Callable[..., object],
-    world_size: int | None = None,
-    *,
-    args: tuple[Any, ...] = (),
-    roles: Mapping[str, int] | None = None,
-    **options: Any,
-) -> None:
-    """Run `main(ctx, *args)` on every worker of a world, then shut RPC down cleanly.
-
-    Under a launcher the process joins the launcher's world; otherwise `run`
-    starts `world_size` local worker processes itself (`main` must then be
-    defined at module level, behind ``if __name__ == "__main__":``). If a worker
-    raises or dies, the others are stopped and `WorkerFailedError` names it.
-    Options (`num_worker_threads`, `rpc_timeout`, ...): see `Settings`. Example::
-
-        def main(ctx):
-            print(ctx.name, "of", ctx.world_size)
-
-        if __name__ == "__main__":
-            asyncrpc.run(main, world_size=3)
-    """
-    _check_main(main)
-    if not isinstance(args, tuple):
-        raise TypeError(f"args must be a tuple, got {type(args).__name__}; write args=(x,)")
-    settings = _runtime.Settings.from_options(options)
-    size = _runtime.resolve_world_size(world_size, roles)
-    if launched():
-        _run_launched(main, args, size, roles, settings)
-        return
-    if size is None:
-        raise ValueError(
-            "asyncrpc.run needs world_size=N (or roles=...) to start a local world; "
-            "under a launcher it takes the launcher's"
-        )
-    _run_embedded(main, args, size, roles, settings)
+def _default_channels() -> tuple[str, ...] | None:
+    return None if torch.cuda.is_available() else ("basic",)
 
 
-def _check_main(main: object) -> None:
-    if not callable(main):
-        raise TypeError(
-            f"asyncrpc.run expects a function main(ctx), got {type(main).__name__} {main!r}; "
-            f"pass the function itself: asyncrpc.run(main, world_size=N)"
-        )
-    qualname = getattr(main, "__qualname__", "")
-    if "<lambda>" in qualname or "<locals>" in qualname:
-        raise TypeError(
-            f"main must be a module-level function so that worker processes can import "
-            f"it, got {qualname!r}; define it with def at the top level of your script"
-        )
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Options shared by `init` and `run`; every field has a safe default."""
 
+    num_worker_threads: int = 16
+    rpc_timeout: float = 60.0
+    init_timeout: float = 120.0
+    intra_op_threads: int | None = None
+    interface: str | None = None
+    # TensorPipe's shared-memory transport busy-polls about a core per idle
+    # worker; uv (TCP) idles at ~0, which matters more on small machines.
+    # With uv, the basic channel (tensors inline on the connection) has the
+    # shortest round trip of the CPU channels; CUDA builds keep torch's set.
+    transports: tuple[str, ...] | None = ("uv",)
+    channels: tuple[str, ...] | None = dataclasses.field(default_factory=_default_channels)
 
-def _run_launched(
-    main: Callable[..., object],
-    args: tuple[Any, ...],
-    world_size: int | None,
-    roles: Mapping[str, int] | None,
-    settings: _runtime.Settings,
-) -> None:
-    ctx = _runtime.init(world_size=world_size, roles=roles, **_as_options(settings))
-    store, tag = _runtime.current_store(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
-    try:
-        main(ctx, *args)
-    except BaseException:
-        print(f"asyncrpc: worker {ctx.name!r} (rank {ctx.rank}) failed", file=sys.stderr)
-        _rendezvous.report_failure(store, ctx.name, tag)
-        # Peers may still wait on this worker: leave without the shutdown barrier.
-        _runtime.shutdown(graceful=False)
-        raise
-    with _leaving_if_a_peer_fails(store, ctx.name, tag):
-        _runtime.shutdown()
-
-
-@contextlib.contextmanager
-def _leaving_if_a_peer_fails(store: Store, name: str, tag: str) -> Iterator[None]:
-    # The graceful shutdown waits for every peer without a deadline. On one node
-    # the launcher stops the survivors of a failure; across nodes nothing would,
-    # so a peer's failure report in the store ends this worker too.
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.wait(_WATCH_S):
-            try:
-                failed = _rendezvous.failed_peer(store, tag)
-            except (RuntimeError, dist.DistNetworkError):
-                return  # the store's host has exited; nothing more to learn
-            if failed is not None:
-                print(
-                    f"asyncrpc: worker {failed!r} failed; {name!r} leaves the world",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os._exit(1)
-
-    watcher = threading.Thread(target=watch, name="asyncrpc-peer-watch", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()
-        watcher.join()
-
-
-def _as_options(settings: _runtime.Settings) -> dict[str, Any]:
-    return {f: getattr(settings, f) for f in settings.__dataclass_fields__}
-
-
-def _run_embedded(
-    main: Callable[..., object],
-    args: tuple[Any, ...],
-    world_size: int,
-    roles: Mapping[str, int] | None,
-    settings: _runtime.Settings,
-) -> None:
-    host = "127.0.0.1"
-    store = _rendezvous.host_store(host, 0, settings.init_timeout)
-    names = _runtime.names_for(world_size, roles)
-    spawner = multiprocessing.get_context("spawn")
-    procs: list[BaseProcess] = []
-    errors: list[multiprocessing.connection.Connection] = []
-    try:
-        for rank in range(world_size):
-            reader, writer = spawner.Pipe(duplex=False)
-            spec = (rank, world_size, names[rank], host, store.port, settings, roles)
-            proc = spawner.Process(
-                target=_worker, args=(main, args, spec, writer), name=names[rank]
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
+            raise ValueError(
+                f"num_worker_threads must be a positive int, got {self.num_worker_threads!r}"
             )
-            proc.start()
-            writer.close()
-            procs.append(proc)
-            errors.append(reader)
-        failure = _supervise(procs, errors, names)
-    except BaseException:
-        _stop(procs)
-        raise
-    if failure is not None:
-        raise failure
+        for field in ("rpc_timeout", "init_timeout"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{field} must be a finite number of seconds > 0, got {value!r}")
+        threads = self.intra_op_threads
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"intra_op_threads must be a positive int, got {threads!r}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Settings:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; asyncrpc accepts {sorted(known)}")
+        return cls(**options)
 
 
-def _worker(
-    main: Callable[..., object],
-    args: tuple[Any, ...],
-    spec: tuple[Any, ...],
-    errors: multiprocessing.connection.Connection,
-) -> None:
-    rank, world_size, name, host, port, settings, roles = spec
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR=host,
-        MASTER_PORT=str(port),
-    )
-    try:
-        ctx = _runtime.start(
-            rank, world_size, name, host, port, settings, roles=roles, hosts_store=False
-        )
-        try:
-            main(ctx, *args)
-        except BaseException:
-            _runtime.shutdown(graceful=False)
-            raise
-        _runtime.shutdown()
-    except BaseException:
-        errors.send(traceback.format_exc())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # A failed agent can leave threads that block a normal interpreter exit.
-        os._exit(1)
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a worker knows of its world; also a context manager that shuts it down.
 
+    Example::
 
-def _supervise(
-    procs: list[BaseProcess],
-    errors: list[multiprocessing.connection.Connection],
-    names: tuple[str, ...],
-) -> WorkerFailedError | None:
-    running: dict[object, int] = {proc.sentinel: rank for rank, proc in enumerate(procs)}
-    failures: list[WorkerFailedError] = []
-    deadline = None
-    while running:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready = multiprocessing.connection.wait(list(running), timeout)  # type: ignore[arg-type]
-        exited = sorted((running.pop(s) for s in ready), key=lambda r: _signal_first(procs[r]))
-        for rank in exited:
-            procs[rank].join()
-            if procs[rank].exitcode != 0:
-                failures.append(_failure(rank, names[rank], procs[rank], errors[rank]))
-        if failures and deadline is None:
-            deadline = time.monotonic() + _GRACE_S
-        if deadline is not None and time.monotonic() >= deadline and running:
-            _stop([procs[r] for r in running.values()])
-            running.clear()
-    return _report(failures)
+        def main(ctx: asyncrpc.Context) -> None:
+            peer = ctx.names[(ctx.rank + 1) % ctx.world_size]
+            print(ctx.name, "->", peer, ctx.workers("trainer"))
+    """
 
+    rank: int
+    world_size: int
+    name: str
+    names: tuple[str, ...]
+    roles: tuple[tuple[str, int], ...] = ()
 
-def _signal_first(proc: BaseProcess) -> int:
-    proc.join()
-    return 0 if (proc.exitcode or 0) < 0 else 1
-
-
-def _failure(
-    rank: int, name: str, proc: BaseProcess, errors: multiprocessing.connection.Connection
-) -> WorkerFailedError:
-    text = ""
-    if errors.poll():
-        try:
-            text = str(errors.recv())
-        except (EOFError, OSError):
-            text = ""
-    return WorkerFailedError(name, rank, proc.exitcode, text)
-
-
-def _report(failures: list[WorkerFailedError]) -> WorkerFailedError | None:
-    if not failures:
+    @property
+    def role(self) -> str | None:
+        """The role of this worker (`"trainer"` for `trainer3`), or None without roles."""
+        for role, _ in self.roles:
+            if self.name.startswith(role) and self.name[len(role) :].isdigit():
+                return role
         return None
-    first = failures[0]
-    for other in failures[1:]:
-        first.add_note(f"also failed afterwards: {other.name!r} (rank {other.rank})")
-    return first
+
+    def workers(self, role: str | None = None) -> tuple[str, ...]:
+        """All worker names, or those of one role, in rank order."""
+        if role is None:
+            return self.names
+        if role not in dict(self.roles):
+            raise LookupError(
+                f"unknown role {role!r}; this world has roles {[r for r, _ in self.roles]}"
+            )
+        return tuple(n for n in self.names if n[len(role) :].isdigit() and n.startswith(role))
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        shutdown(graceful=exc_type is None)
 
 
-def _stop(procs: list[BaseProcess]) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    deadline = time.monotonic() + _KILL_AFTER_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+@dataclasses.dataclass
+class World:
+    """The running world: what calls check against, and what `shutdown` puts back."""
+
+    context: Context
+    threads: int  # RPC threads serving incoming calls
+    store: Store | None = None  # None in a world torch started
+    settings: Settings | None = None
+    restore: list[tuple[str, str | None]] = dataclasses.field(default_factory=list)
+    intra_op_before: int | None = None
+
+
+_world: World | None = None
+_adopted: tuple[object, World] | None = None  # (torch's agent, the world read from it)
+_was_shut_down = False
+_lock = threading.Lock()
+
+
+def current_context() -> Context:
+    """The `Context` of the running world of this process.
+
+    Example::
+
+        @torch.no_grad()
+        def who_am_i() -> str:
+            return asyncrpc.current_context().name
+    """
+    return current_world("asyncrpc.current_context()").context
+
+
+def current_world(what: str) -> World:
+    """The running world, started by asyncrpc or by torch; NotInitializedError outside one."""
+    world = _world
+    if world is not None:
+        return world
+    if not _torch.agent_running():
+        raise NotInitializedError(_not_running_message(what))
+    return _adopt()
+
+
+def _adopt() -> World:
+    global _adopted
+    agent = _torch.current_agent()
+    cached = _adopted
+    if cached is not None and cached[0] is agent:
+        return cached[1]
+    infos = _torch.worker_infos()
+    me = rpc.get_worker_info()
+    names = tuple(str(info.name) for info in infos)
+    context = Context(int(me.id), len(names), str(me.name), names)
+    world = World(context, _torch.agent_threads())
+    _adopted = (agent, world)
+    enable_await()
+    return world
+
+
+def current_store() -> Store:
+    """The rendezvous store of a world asyncrpc started (NotInitializedError otherwise)."""
+    world = current_world("the world's store")
+    if world.store is None:
+        raise NotInitializedError(
+            "this RPC world was started by torch's rpc.init_rpc, so asyncrpc has no "
+            "rendezvous store for it; start the world with asyncrpc.init() or asyncrpc.run()"
+        )
+    return world.store
+
+
+def _not_running_message(what: str) -> str:
+    if _was_shut_down:
+        return (
+            f"{what} was called after asyncrpc.shutdown(); no RPC agent runs in this "
+            f"process any more"
+        )
+    return (
+        f"{what} was called but no RPC agent runs in this process; call it inside the "
+        f"main(ctx) given to asyncrpc.run(main, world_size=N), after asyncrpc.init(), or "
+        f"after torch's rpc.init_rpc(...)"
+    )
+
+
+def names_for(world_size: int, roles: Mapping[str, int] | None) -> tuple[str, ...]:
+    """Default worker names: `worker{rank}`, or `{role}{i}` in the order roles are given."""
+    if not roles:
+        return tuple(f"worker{r}" for r in range(world_size))
+    for role, count in roles.items():
+        if not role.isidentifier() or not isinstance(count, int) or count < 1:
+            raise ValueError(
+                f"roles must map a name to a positive count, got {role!r}: {count!r}; "
+                f"e.g. roles={{'ps': 1, 'trainer': 4}}"
+            )
+    total = sum(roles.values())
+    if total != world_size:
+        raise WorldSizeMismatchError(
+            f"roles {dict(roles)} add up to {total} workers but world_size is "
+            f"{world_size}; make them agree, or leave world_size out"
+        )
+    return tuple(f"{role}{i}" for role, count in roles.items() for i in range(count))
+
+
+def resolve_world_size(world_size: int | None, roles: Mapping[str, int] | None) -> int | None:
+    """The world size a caller asked for, from `world_size`, `roles`, or both."""
+    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if roles and world_size is None:
+        world_size = sum(roles.values())
+    if world_size is not None:
+        names_for(world_size, roles)
+    return world_size
+
+
+def _from_env(key: str) -> int | None:
+    raw = os.environ.get(key)
+    if raw in (None, ""):
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
+
+
+def init(
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    name: str | None = None,
+    roles: Mapping[str, int] | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    **options: Any,
+) -> Context:
+    """Join an RPC world from this process and return its `Context`.
+
+    Missing values come from the launcher's environment (`RANK`, `WORLD_SIZE`,
+    `MASTER_ADDR`, `MASTER_PORT`). Without a launcher, rank 0 hosts the
+    rendezvous store on `master_addr:master_port` (default 127.0.0.1: loopback
+    only). Options: see `Settings`. Example, in each of two processes::
+
+        with asyncrpc.init(rank=r, world_size=2, master_port=29600) as ctx:
+            print(asyncrpc.rpc_sync(ctx.names[1 - r], str.upper, args=("hi",)))
+    """
+    settings = Settings.from_options(options)
+    rank = rank if rank is not None else _from_env("RANK")
+    if rank is None:
+        raise ValueError("init() needs rank=..., or a RANK environment variable")
+    env_world = _from_env("WORLD_SIZE")
+    asked = resolve_world_size(world_size, roles)
+    if asked is not None and env_world is not None and asked != env_world:
+        raise WorldSizeMismatchError(
+            f"the program asks for world_size={asked} but the launcher started "
+            f"WORLD_SIZE={env_world} workers; launch with --nproc-per-node {asked} "
+            f"(per node), or drop world_size= to take the launcher's"
+        )
+    size = asked if asked is not None else env_world
+    if size is None:
+        raise ValueError("init() needs world_size=..., or a WORLD_SIZE environment variable")
+    if not 0 <= rank < size:
+        raise ValueError(f"rank must be in 0..{size - 1} for world_size={size}, got {rank}")
+    addr = master_addr or os.environ.get("MASTER_ADDR") or _LOOPBACK
+    port = master_port if master_port is not None else _from_env("MASTER_PORT")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    hosts = rank == 0 and not agent_store
+    if port is None or (port == 0 and not hosts):
+        raise ValueError(
+            "init() needs master_port=..., or a MASTER_PORT environment variable: the "
+            "port where rank 0 hosts the rendezvous store"
+        )
+    worker_name = name or names_for(size, roles)[rank]
+    return start(rank, size, worker_name, addr, port, settings, roles=roles, hosts_store=hosts)
+
+
+def start(
+    rank: int,
+    world_size: int,
+    name: str,
+    master_addr: str,
+    master_port: int,
+    settings: Settings,
+    *,
+    roles: Mapping[str, int] | None = None,
+    hosts_store: bool,
+) -> Context:
+    """Start RPC with everything resolved; `init` and `run` both end here."""
+    global _world, _was_shut_down
+    with _lock:
+        if _world is not None or _torch.agent_running():
+            name = _world.context.name if _world is not None else rpc.get_worker_info().name
+            raise AsyncRPCError(
+                f"this process already runs RPC as {name!r}; call asyncrpc.shutdown() "
+                f"(or torch's rpc.shutdown()) before starting another world"
+            )
+        if hosts_store:
+            store = _rendezvous.host_store(master_addr, master_port, settings.init_timeout)
+        else:
+            store = _rendezvous.client_store(master_addr, master_port, settings.init_timeout)
+        tag = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+        names = _rendezvous.agree(store, rank, world_size, name, settings.init_timeout, tag)
+        context = Context(rank, world_size, name, names, tuple((roles or {}).items()))
+        # Peers may call in as soon as the agent starts, before init_rpc returns
+        # here: the world must already be visible to the functions they run.
+        world = World(context, settings.num_worker_threads, store, settings)
+        _world = world
+        enable_await()
+        try:
+            _start_agent(world, master_addr)
+        except BaseException:
+            _world = None
+            _put_back(world)
+            raise
+        _was_shut_down = False
+        return context
+
+
+def _start_agent(world: World, master_addr: str) -> None:
+    ctx, settings = world.context, world.settings
+    assert settings is not None and world.store is not None
+    _bind_interface(world, master_addr, ctx.world_size, settings.interface)
+    world.intra_op_before = torch.get_num_threads()
+    _set_intra_op_threads(ctx.world_size, settings.intra_op_threads)
+    options = _torch.backend_options(
+        settings.num_worker_threads,
+        settings.rpc_timeout,
+        _rendezvous.hand_off(world.store, ctx.rank, ctx.world_size),
+        settings.transports,
+        settings.channels,
+    )
+    with warnings.catch_warnings():
+        # torch's agent set-up uses a Gloo backend internally and warns about it.
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        rpc.init_rpc(  # type: ignore[no-untyped-call]
+            ctx.name, rank=ctx.rank, world_size=ctx.world_size, rpc_backend_options=options
+        )
+
+
+def single_node(master_addr: str, world_size: int) -> bool:
+    """True when every worker of the world runs on this machine."""
+    local = _from_env("LOCAL_WORLD_SIZE")
+    if local is not None:
+        return local == world_size
+    return _net.is_loopback(master_addr)
+
+
+def _set_env(world: World, key: str, value: str) -> None:
+    world.restore.append((key, os.environ.get(key)))
+    os.environ[key] = value
+
+
+def _put_back(world: World) -> None:
+    """Undo what starting `world` changed in this process."""
+    for key, value in reversed(world.restore):
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    world.restore.clear()
+    if world.intra_op_before is not None:
+        torch.set_num_threads(world.intra_op_before)
+
+
+def _bind_interface(
+    world: World, master_addr: str, world_size: int, interface: str | None
+) -> None:
+    # TensorPipe reads TP_SOCKET_IFNAME when the agent starts, and the Gloo group
+    # that torch's agent set-up builds reads GLOO_SOCKET_IFNAME; without them each
+    # binds the address the hostname resolves to, which may be the wrong network.
+    chosen = interface or os.environ.get("ASYNCRPC_INTERFACE")
+    if chosen is None and "TP_SOCKET_IFNAME" in os.environ:
+        if "GLOO_SOCKET_IFNAME" not in os.environ:
+            _set_env(world, "GLOO_SOCKET_IFNAME", os.environ["TP_SOCKET_IFNAME"])
+        return
+    if chosen is None:
+        if single_node(master_addr, world_size):
+            chosen = _net.interface_for(_LOOPBACK)
+        else:
+            chosen = _net.interface_for(_net.local_address_towards(master_addr, 0))
+    if chosen is None:
+        raise AsyncRPCError(
+            f"could not find the network interface to bind for master {master_addr!r}; "
+            f"pass interface='eth0' (or set ASYNCRPC_INTERFACE) with the interface name"
+        )
+    if chosen not in {n for _, n in socket.if_nameindex()}:
+        raise ValueError(
+            f"interface {chosen!r} does not exist on this host; choose one of "
+            f"{sorted(n for _, n in socket.if_nameindex())}"
+        )
+    _set_env(world, "TP_SOCKET_IFNAME", chosen)
+    _set_env(world, "GLOO_SOCKET_IFNAME", chosen)
+
+
+def _set_intra_op_threads(world_size: int, wanted: int | None) -> None:
+    if wanted is None:
+        env = _from_env("ASYNCRPC_INTRA_OP_THREADS")
+        local = _from_env("LOCAL_WORLD_SIZE") or world_size
+        wanted = env or max(1, len(os.sched_getaffinity(0)) // max(1, local))
+    torch.set_num_threads(wanted)
+
+
+def shutdown(graceful: bool = True, timeout: float = 0) -> None:
+    """Leave the RPC world; with `graceful`, first wait for every worker's pending work.
+
+    Does nothing when no world is running. Example::
+
+        ctx = asyncrpc.init()
+        try:
+            ...
+        finally:
+            asyncrpc.shutdown()
+    """
+    global _world, _was_shut_down
+    with _lock:
+        world = _world
+        if world is None:
+            return
+        try:
+            # A graceful shutdown still serves peers' calls while it waits, so the
+            # world stays visible to them (current_context, call checks) until it ends.
+            rpc.shutdown(graceful=graceful, timeout=timeout)
+        finally:
+            _world = None
+            _was_shut_down = True
+            _put_back(world)
+
+
+def is_running() -> bool:
+    """True while this process is part of a running world (asyncrpc's or torch's)."""
+    return _world is not None or _torch.agent_running()

@@ -121,7 +121,7 @@ def run_variant(
 ) -> dict[str, Any]:
     """Start a fresh server on ps0, run every trainer, return rates and the loss curve."""
     trainers = ctx.workers("trainer")
-    ps = asyncrpc.remote("ps0", ParameterServer, len(trainers), hidden, optimizer)
+    ps = asyncrpc.spawn("ps0", ParameterServer, len(trainers), hidden, optimizer)
     method = "update_batched" if mode == "batched" else "update_now"
     started = time.perf_counter()
     runs = [

@@ -74,7 +74,7 @@ def test_bad_target_type(world: asyncrpc.Context) -> None:
 @pytest.mark.parametrize(
     ("case", "pattern"),
     [
-        ("before_init", "NotInitializedError: asyncrpc.rpc_sync was called before the RPC"),
+        ("before_init", "asyncrpc.rpc_sync was called but no RPC agent runs in this process"),
         ("after_shutdown", "NotInitializedError: asyncrpc.rpc_async was called after"),
     ],
 )

@@ -275,7 +275,7 @@ def test_non_future_return_says_what_to_return(world: asyncrpc.Context, mode: st
 @pytest.mark.parametrize("mode", MODES)
 def test_failed_future_raises_at_the_caller(world: asyncrpc.Context, mode: str) -> None:
     # torch alone sends set_exception's error back as an ordinary return value.
-    with pytest.raises(Exception, match=r"On worker .{0,4}worker1.*no such shard"):
+    with pytest.raises(Exception, match=r"(?s)On worker .{0,4}worker1.*no such shard|no such shard.*On worker 'worker1'"):
         call(mode, returns_failed_future)
 
 
@@ -288,7 +288,7 @@ def test_exception_in_a_chained_callback_keeps_its_cause(
 
 
 def test_async_def_exception_keeps_type_message_and_traceback(world: asyncrpc.Context) -> None:
-    with pytest.raises(ValueError, match=r"(?s)On worker 'worker1'.*bad shard 7.*line \d+"):
+    with pytest.raises(ValueError, match=r"(?s)bad shard 7.*On worker 'worker1'.*line \d+"):
         asyncrpc.rpc_sync("worker1", awaits_then_raises, args=("worker2",))
     with pytest.raises(ValueError, match="bad shard 7"):  # remote() keeps the type
         asyncrpc.remote("worker1", awaits_then_raises, args=("worker2",)).to_here()
@@ -299,7 +299,7 @@ def test_async_def_exception_keeps_type_message_and_traceback(world: asyncrpc.Co
 def test_a_timeout_firing_inside_an_async_def_reaches_the_caller(world: asyncrpc.Context) -> None:
     assert asyncrpc.rpc_sync("worker1", awaits_with_timeout, args=("worker2", 0.0, 5.0)) == 0.0
     with pytest.raises(
-        RuntimeError, match=r"(?s)TimeoutError: On worker 'worker1'.*within 0\.2 s"
+        TimeoutError, match=r"(?s)within 0\.2 s.*On worker 'worker1'"
     ):
         asyncrpc.rpc_sync("worker1", awaits_with_timeout, args=("worker2", 2.0, 0.2))
     call_timeout = asyncrpc.rpc_async(

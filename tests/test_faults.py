@@ -84,7 +84,7 @@ def test_non_future_return_from_an_async_function(world: asyncrpc.Context) -> No
 def test_unpicklable_argument(world: asyncrpc.Context) -> None:
     _raises(
         asyncrpc.SerializationError,
-        r"could not be sent to 'worker1': cannot pickle.*asyncrpc.remote",
+        r"could not be sent to 'worker1': cannot pickle.*asyncrpc.spawn",
         lambda: rpc_sync("worker1", ident, args=(threading.Lock(),)),
     )
     _raises(
@@ -140,7 +140,7 @@ def test_remote_exception_whose_class_the_caller_cannot_import(world: asyncrpc.C
     with tempfile.TemporaryDirectory() as folder:
         _raises(
             asyncrpc.SerializationError,
-            r"could not be unpickled here: .*worker_only_plugin.*importable on the caller",
+            r"raised worker_only_plugin.PluginError, which this process cannot import.*importable",
             lambda: rpc_sync("worker1", raise_worker_only, args=(folder,)),
         )
 

@@ -15,7 +15,7 @@ import pytest
 from asyncrpc import _net
 
 from conftest import PROGRAMS, bin_path, start_program
-from test_world import _wait_for_pids
+from test_supervisor import _wait_for_pids
 
 
 def _tree(root: int) -> set[int]:

@@ -1,122 +1,143 @@
-"""asyncrpc.run: the same program embedded, under asyncrpc-launch and under torchrun."""
-
-import os
-import pathlib
-import signal
-import time
+"""init/shutdown/Context: the world as a worker sees it, and world-formation errors."""
 
 import pytest
 
-from conftest import PROGRAMS, ROOT, bin_path, run_program, start_program
+import asyncrpc
+from asyncrpc import _world
 
-RING = str(ROOT / "examples" / "ring.py")
-RING_OUTPUT = [
-    "worker1 got [10.0, 10.0] from worker0",
-    "worker2 got [11.0, 11.0] from worker1",
-    "worker0 got [12.0, 12.0] from worker2",
-]
+from conftest import PROGRAMS, free_port, run_program
+
+
+def test_context_describes_the_world(world: asyncrpc.Context) -> None:
+    assert (world.rank, world.world_size, world.name) == (0, 3, "worker0")
+    assert world.names == ("worker0", "worker1", "worker2")
+    assert world.role is None
+    assert asyncrpc.current_context() is world
+
+
+def test_remote_workers_see_their_own_context(world: asyncrpc.Context) -> None:
+    ctx = asyncrpc.rpc_sync("worker2", asyncrpc.current_context)
+    assert (ctx.name, ctx.rank, ctx.names) == ("worker2", 2, world.names)
+
+
+def test_names_from_roles() -> None:
+    assert _world.names_for(3, None) == ("worker0", "worker1", "worker2")
+    assert _world.names_for(3, {"ps": 1, "trainer": 2}) == ("ps0", "trainer0", "trainer1")
+    with pytest.raises(asyncrpc.WorldSizeMismatchError, match="add up to 3 workers but"):
+        _world.names_for(4, {"ps": 1, "trainer": 2})
+    with pytest.raises(ValueError, match="positive count"):
+        _world.names_for(1, {"ps": 0})
+
+
+def test_context_roles() -> None:
+    ctx = asyncrpc.Context(
+        1, 3, "trainer0", ("ps0", "trainer0", "trainer1"), (("ps", 1), ("trainer", 2))
+    )
+    assert ctx.role == "trainer"
+    assert ctx.workers("trainer") == ("trainer0", "trainer1")
+    assert ctx.workers() == ctx.names
+    with pytest.raises(LookupError, match="unknown role 'critic'"):
+        ctx.workers("critic")
 
 
 @pytest.mark.parametrize(
-    "launcher",
+    ("options", "pattern"),
     [
-        ["python"],
-        [bin_path("asyncrpc-launch"), "--nproc-per-node", "3"],
-        [bin_path("torchrun"), "--nproc-per-node", "3"],
+        ({"num_worker_threads": 0}, "num_worker_threads must be a positive int"),
+        ({"rpc_timeout": float("nan")}, "rpc_timeout must be a finite"),
+        ({"intra_op_threads": -1}, "intra_op_threads must be a positive int"),
     ],
-    ids=["embedded", "asyncrpc-launch", "torchrun"],
 )
-def test_ring_prints_the_same_three_ways(launcher: list[str]) -> None:
-    done = run_program(*launcher, RING)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == RING_OUTPUT
+def test_bad_settings(options: dict[str, object], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        asyncrpc.Settings(**options)  # type: ignore[arg-type]
 
 
-def test_roles_name_the_workers_and_args_reach_main() -> None:
-    done = run_program("python", str(PROGRAMS / "roles.py"))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
-        "hello from ps0",
-        "ps0:ps trainer0:trainer trainer1:trainer",
-        "trainers trainer0,trainer1",
-    ]
+def test_unknown_option_lists_the_known_ones() -> None:
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['rpc_timout'\].*rpc_timeout"):
+        asyncrpc.Settings.from_options({"rpc_timout": 3})
 
 
-def test_a_raising_worker_fails_the_run_with_its_traceback() -> None:
-    start = time.monotonic()
-    done = run_program("python", str(PROGRAMS / "raises.py"))
-    assert done.returncode != 0
-    assert time.monotonic() - start < 30
-    assert "WorkerFailedError: worker 'worker2' (rank 2) raised:" in done.stderr
-    assert "ExampleFailure: worker2 could not load its shard" in done.stderr
-    assert 'raises.py", line' in done.stderr  # the worker's own traceback
+def test_init_twice_in_one_process(world: asyncrpc.Context) -> None:
+    with pytest.raises(asyncrpc.AsyncRPCError, match="already runs RPC as 'worker0'"):
+        asyncrpc.init(rank=0, world_size=1, master_port=0)
 
 
-def test_a_raising_worker_under_torchrun_is_named() -> None:
-    done = run_program(bin_path("torchrun"), "--nproc-per-node", "3", str(PROGRAMS / "raises.py"))
-    assert done.returncode != 0
-    assert "asyncrpc: worker 'worker2' (rank 2) failed" in done.stderr
-    assert "ExampleFailure" in done.stderr
+def test_init_needs_a_rank_and_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="needs rank="):
+        asyncrpc.init(world_size=2)
+    with pytest.raises(ValueError, match="needs world_size="):
+        asyncrpc.init(rank=0)
+    with pytest.raises(ValueError, match=r"rank must be in 0\.\.1"):
+        asyncrpc.init(rank=2, world_size=2, master_port=1)
+    with pytest.raises(ValueError, match="needs master_port"):
+        asyncrpc.init(rank=1, world_size=2)
 
 
-def _wait_for_pids(pids_dir: pathlib.Path, count: int, timeout: float = 60) -> dict[str, int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        files = list(pids_dir.iterdir())
-        if len(files) == count and all(f.read_text() for f in files):
-            return {f.name: int(f.read_text()) for f in files}
-        time.sleep(0.1)
-    raise AssertionError(f"workers did not start: {list(pids_dir.iterdir())}")
+def test_program_world_size_must_match_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(asyncrpc.WorldSizeMismatchError, match=r"WORLD_SIZE=4.*--nproc-per-node 3"):
+        asyncrpc.init(rank=0, world_size=3, master_port=0)
+
+
+def _start_manual(*worlds: tuple[int, int, int, str | None]) -> list:  # type: ignore[type-arg]
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    procs = []
+    for rank, size, port, name in worlds:
+        argv = [sys.executable, str(PROGRAMS / "manual.py"), str(rank), str(size), str(port)]
+        procs.append(
+            subprocess.Popen(
+                argv + ([name] if name else []),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return [(p.wait(60), *p.communicate()) for p in procs]
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_worker_fails_the_run_within_30_s(tmp_path: pathlib.Path) -> None:
-    import sys
-
-    pids_dir = tmp_path / "pids"
-    pids_dir.mkdir()
-    proc = start_program(
-        sys.executable, str(PROGRAMS / "busy.py"), env={"PIDS_DIR": str(pids_dir)}
-    )
-    try:
-        pids = _wait_for_pids(pids_dir, 3)
-        time.sleep(0.5)  # calls to worker1 are in flight
-        killed_at = time.monotonic()
-        os.kill(pids["worker1"], signal.SIGKILL)
-        _, err = proc.communicate(timeout=30)
-        elapsed = time.monotonic() - killed_at
-    finally:
-        proc.kill()
-    assert proc.returncode != 0
-    assert elapsed < 30
-    assert "worker 'worker1' (rank 1) was killed by SIGKILL" in err
-    for pid in pids.values():  # nothing is left behind
-        assert not pathlib.Path(f"/proc/{pid}").exists() or _is_zombie(pid)
+def test_self_managed_processes_form_a_world() -> None:
+    port = free_port()
+    results = _start_manual((0, 2, port, None), (1, 2, port, None))
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert results[0][1].strip() == "['worker0', 'worker1']"
 
 
-def _is_zombie(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except OSError:
-        return True
+@pytest.mark.timeout(120)
+def test_duplicate_names_are_refused_on_every_worker() -> None:
+    port = free_port()
+    results = _start_manual((0, 2, port, "twin"), (1, 2, port, "twin"))
+    for code, _, err in results:
+        assert code == 3
+        assert "DuplicateNameError" in err and "{'twin': [0, 1]}" in err
 
 
-def test_run_rejects_a_lambda() -> None:
-    import asyncrpc
-
-    with pytest.raises(TypeError, match="module-level function"):
-        asyncrpc.run(lambda ctx: None, world_size=2)
-    with pytest.raises(TypeError, match="expects a function main"):
-        asyncrpc.run(print(), world_size=2)  # type: ignore[arg-type, func-returns-value]
-
-
-def test_run_needs_a_size_without_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    import asyncrpc
-
-    monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(ValueError, match="needs world_size=N"):
-        asyncrpc.run(_module_main)
+@pytest.mark.timeout(120)
+def test_workers_disagreeing_on_world_size() -> None:
+    port = free_port()
+    results = _start_manual((0, 2, port, None), (1, 3, port, None))
+    assert results[1][0] == 3
+    assert "WorldSizeMismatchError" in results[1][2]
+    assert "world_size=3" in results[1][2]
+    assert results[0][0] != 0
 
 
-def _module_main(ctx: object) -> None:
-    pass
+@pytest.mark.parametrize(
+    ("case", "pattern"),
+    [
+        ("port_in_use", r"PortInUseError: port \d+ on 127.0.0.1 is already in use"),
+        ("init_twice", "AsyncRPCError: this process already runs RPC as 'worker0'"),
+    ],
+)
+def test_world_formation_errors(case: str, pattern: str) -> None:
+    done = run_program("python", str(PROGRAMS / "misuse.py"), case, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert __import__("re").search(pattern, done.stdout), done.stdout

@@ -111,7 +111,7 @@ def check(ctx: asyncrpc.Context) -> dict[str, object]:
     chained = asyncrpc.rpc_sync(
         "worker2", async_add_chained, args=("worker1", torch.ones(2), 1, 1)
     )
-    tally = asyncrpc.remote("worker3", Tally)  # made from host 0, lives on host 1
+    tally = asyncrpc.spawn("worker3", Tally)  # made from host 0, lives on host 1
     tally.call("touch", where())
     for name in ("worker1", "worker2"):
         asyncrpc.rpc_sync(name, touch_from_here, args=(tally,))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import re
 import threading
@@ -63,6 +64,11 @@ class Counter:
         return self.add(await rpc_async(to, int, args=(n,)))
 
 
+class Undecorated:
+    async def plus_remote(self, to: str, n: int) -> int:
+        return 1 + await rpc_async(to, int, args=(n,))
+
+
 def live_counters() -> int:
     gc.collect()
     with _live_lock:
@@ -73,7 +79,7 @@ def live_counters() -> int:
 
 
 def test_call_call_async_and_call_remote(world: asyncrpc.Context) -> None:
-    counter = asyncrpc.remote("worker1", Counter, 10, step=2)
+    counter = asyncrpc.spawn("worker1", Counter, 10, step=2)
     assert isinstance(counter, asyncrpc.RemoteObject)
     assert counter.owner == "worker1"
     assert counter.call("where") == "worker1"
@@ -86,36 +92,81 @@ def test_call_call_async_and_call_remote(world: asyncrpc.Context) -> None:
 
 
 def test_async_execution_methods_run_on_the_owner(world: asyncrpc.Context) -> None:
-    counter = asyncrpc.remote("worker1", Counter)
+    counter = asyncrpc.spawn("worker1", Counter)
     assert counter.call("add_via", "worker2", 5) == 5
     assert counter.call_async("add_awaiting", "worker2", 5).wait() == 10
     assert counter.call_remote("add_awaiting", "worker2", 1).to_here() == 11
 
 
 def test_rref_style_proxies_still_work(world: asyncrpc.Context) -> None:
-    counter = asyncrpc.remote("worker2", Counter, args=(3,))  # torch-style arguments
+    counter = asyncrpc.spawn("worker2", Counter, 3)
     assert counter.rpc_sync().add(1) == 4
     assert counter.rpc_async().add(1).wait() == 5
     assert counter.remote().add(1).to_here() == 6
 
 
-def test_each_verb_takes_a_timeout(world: asyncrpc.Context) -> None:
-    counter = asyncrpc.remote("worker1", Counter)
+def test_options_set_the_timeout_of_every_verb(world: asyncrpc.Context) -> None:
+    counter = asyncrpc.spawn("worker1", Counter)
+    quick = counter.options(timeout=0.3)
     with pytest.raises(
         asyncrpc.CallTimeoutError, match=r"Counter.slow\(\) on worker 'worker1' timed"
     ):
-        counter.call("slow", 2.0, timeout=0.3)
+        quick.call("slow", 2.0)
     with pytest.raises(asyncrpc.CallTimeoutError, match="worker1"):
-        counter.call_async("slow", 2.0, timeout=0.3).wait()
+        quick.call_async("slow", 2.0).wait()
     with pytest.raises(RuntimeError, match="timeout"):
         counter.call_remote("slow", 2.0).to_here(timeout=0.3)
     with pytest.raises(ValueError, match=r"-2"):
-        counter.call("add", timeout=-2)
-    assert counter.call("slow", 0.0, timeout=5) == 0
+        counter.options(timeout=-2)
+    assert counter.options(timeout=5).call("slow", 0.0) == 0
+
+
+class Timed:
+    """Takes parameters named `timeout`: they are its own, never the call's."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+
+    def wait_for(self, timeout: float) -> tuple[float, float]:
+        return self.timeout, timeout
+
+
+def test_arguments_named_timeout_reach_the_object(world: asyncrpc.Context) -> None:
+    timed = asyncrpc.spawn("worker2", Timed, timeout=7.0)
+    assert timed.call("wait_for", timeout=0.001) == (7.0, 0.001)
+    assert timed.options(timeout=5).call_async("wait_for", 1.0).wait() == (7.0, 1.0)
+
+
+def test_a_handle_wraps_an_rref_torch_code_holds(world: asyncrpc.Context) -> None:
+    rref = torch.distributed.rpc.remote("worker1", Counter, args=(5,))
+    counter: asyncrpc.RemoteObject[Counter] = asyncrpc.RemoteObject(rref)
+    assert counter.call("add", 2) == 7
+    assert counter.call_async("add_awaiting", "worker2", 1).wait() == 8
+    with pytest.raises(AttributeError, match="did you mean 'add'"):
+        counter.call("ad")  # checked on the owner: the class is not known here
+    with pytest.raises(TypeError, match="wraps an RRef"):
+        asyncrpc.RemoteObject(Counter())  # type: ignore[arg-type]
+
+
+def test_factories_and_partials_give_handles(world: asyncrpc.Context) -> None:
+    made = asyncrpc.spawn("worker1", functools.partial(Counter, 4, step=3))
+    assert made.cls is Counter and made.call("add") == 7
+    net = asyncrpc.spawn("worker2", make_linear, 2)
+    assert isinstance(net, asyncrpc.RemoteModule)
+    assert net(torch.ones(1, 2)).shape == (1, 1)
+
+
+def make_linear(n: int) -> torch.nn.Module:
+    return torch.nn.Linear(n, 1)
+
+
+def test_async_def_methods_run_without_the_decorator(world: asyncrpc.Context) -> None:
+    undecorated = asyncrpc.spawn("worker1", Undecorated)
+    assert undecorated.call("plus_remote", "worker2", 2) == 3
 
 
 def test_remote_errors_keep_their_cause(world: asyncrpc.Context) -> None:
-    counter = asyncrpc.remote("worker1", Counter)
+    counter = asyncrpc.spawn("worker1", Counter)
     with pytest.raises(Exception, match="no such key"):
         counter.call("fail")
     with pytest.raises(Exception, match="no such key"):
@@ -123,25 +174,28 @@ def test_remote_errors_keep_their_cause(world: asyncrpc.Context) -> None:
 
 
 def test_a_wrong_method_name_suggests_the_closest(world: asyncrpc.Context) -> None:
-    counter = asyncrpc.remote("worker1", Counter)
+    counter = asyncrpc.spawn("worker1", Counter)
     with pytest.raises(AttributeError, match=r"Counter has no method 'ad'; did you mean 'add'"):
         counter.call("ad")
     with pytest.raises(AttributeError, match="attribute, not a method"):
         counter.call("kind")
 
 
-def test_remote_with_a_function_is_torchs_remote(world: asyncrpc.Context) -> None:
+def test_remote_is_torchs_remote_for_functions_and_classes(world: asyncrpc.Context) -> None:
     rref = asyncrpc.remote("worker2", torch.ones, args=((2,),))
     assert torch.equal(rref.to_here(), torch.ones(2))
-    with pytest.raises(TypeError, match=r"takes args=\(\.\.\.\).*got keyword 'x'"):
-        asyncrpc.remote("worker2", torch.ones, x=1)
+    observer = asyncrpc.remote("worker2", Counter, args=(3,), kwargs={"step": 2})
+    assert isinstance(observer, torch.distributed.rpc.PyRRef)
+    assert observer.rpc_sync().add(1) == 5
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'x'"):
+        asyncrpc.remote("worker2", torch.ones, x=1)  # type: ignore[call-arg]
 
 
 def test_call_all_keeps_order_and_fails_fast(world: asyncrpc.Context) -> None:
-    handles = [asyncrpc.remote(name, Counter, i) for i, name in enumerate(world.names)]
+    handles = [asyncrpc.spawn(name, Counter, i) for i, name in enumerate(world.names)]
     assert asyncrpc.call_all(handles, "where").wait() == list(world.names)
     assert asyncrpc.call_all(handles, "add", 10).wait() == [10, 11, 12]
-    slow_then_failing = [handles[1], asyncrpc.remote("worker2", Counter, -1)]
+    slow_then_failing = [handles[1], asyncrpc.spawn("worker2", Counter, -1)]
     started = time.monotonic()
     with pytest.raises(Exception, match="no such key"):
         asyncrpc.call_all(slow_then_failing, "check", 3.0).wait()
@@ -155,7 +209,7 @@ def test_call_all_keeps_order_and_fails_fast(world: asyncrpc.Context) -> None:
 
 def test_the_object_is_released_with_its_last_handle(world: asyncrpc.Context) -> None:
     before = asyncrpc.rpc_sync("worker2", live_counters)
-    counter = asyncrpc.remote("worker2", Counter)
+    counter = asyncrpc.spawn("worker2", Counter)
     counter.call("add")
     assert asyncrpc.rpc_sync("worker2", live_counters) == before + 1
     del counter
@@ -183,7 +237,7 @@ def test_calling_a_handle_whose_owner_died_names_the_owner() -> None:
 def test_remote_module_forward_sync_and_async(world: asyncrpc.Context) -> None:
     torch.manual_seed(0)
     local = torch.nn.Linear(4, 2)
-    net = asyncrpc.remote("worker1", torch.nn.Linear, 4, 2)
+    net = asyncrpc.spawn("worker1", torch.nn.Linear, 4, 2)
     assert isinstance(net, asyncrpc.RemoteModule)
     net.call("load_state_dict", local.state_dict())
     x = torch.randn(3, 4)
@@ -196,7 +250,7 @@ def test_remote_module_forward_sync_and_async(world: asyncrpc.Context) -> None:
 
 def test_training_through_a_remote_module_lowers_the_loss(world: asyncrpc.Context) -> None:
     torch.manual_seed(0)
-    net = asyncrpc.remote("worker2", torch.nn.Linear, 3, 1)
+    net = asyncrpc.spawn("worker2", torch.nn.Linear, 3, 1)
     opt = DistributedOptimizer(torch.optim.SGD, net.parameter_rrefs(), lr=0.1)
     true_w = torch.tensor([[1.0, -2.0, 0.5]])
     losses: list[float] = []

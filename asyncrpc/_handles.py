@@ -1,0 +1,308 @@
+"""Handles to objects and modules that live on another worker.
+
+`spawn(to, cls, *args, **kwargs)` builds `cls(*args, **kwargs)` on worker
+`to` and returns a handle holding the RRef; `RemoteObject(rref)` wraps an
+RRef that torch code already holds. A handle has a small, closed set of
+verbs, and every call goes through the same path as `rpc_sync`::
+
+    caller                                          owner (`to`)
+    h = spawn("w1", Counter, 5)     ─── remote ───>  Counter(5), kept by an OwnerRRef
+    h.call("add", 2)                ─── rpc ──────>  obj.add(2) ──> value back
+    h.call_async("add", 2)          ─── rpc ──────>  same; a Future at the caller
+    h.call_remote("add", 2)         ─── remote ───>  same; the value stays, an RRef back
+    h.options(timeout=5).call(...)      (call options never mix with the method's own)
+    del h  (last handle gone)       ─── delete ───>  the object is released
+
+Methods decorated with `async_execution`, and `async def` methods, run on the
+owner without holding an RPC thread. Modules get `forward`/`forward_async`
+and their parameters as RRefs for distributed autograd.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, ParamSpec, TypeVar, overload
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from . import _calls, _torch
+from ._execution import async_execution, start_coroutine
+from ._futures import completed, gather
+
+__all__ = ["RemoteModule", "RemoteObject", "call_all", "spawn"]
+
+T = TypeVar("T")
+M = TypeVar("M", bound=torch.nn.Module)
+P = ParamSpec("P")
+
+
+# ---- owner side: these run on the worker that owns the object ------------------------
+
+
+def _method(obj: object, name: str) -> Callable[..., Any]:
+    attr = getattr(obj, name, None)
+    if not callable(attr):
+        raise AttributeError(_no_method(type(obj), name, attr))
+    return attr  # type: ignore[no-any-return]
+
+
+def _invoke(rref: rpc.RRef[Any], name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    return _method(rref.local_value(), name)(*args, **kw)
+
+
+@async_execution
+def _invoke_async(
+    rref: rpc.RRef[Any], name: str, args: tuple[Any, ...], kw: dict[str, Any]
+) -> Future[Any]:
+    method = _method(rref.local_value(), name)
+    if _torch.async_target(method) is not None:
+        return method(*args, **kw)  # type: ignore[no-any-return]
+    if inspect.iscoroutinefunction(method):
+        return start_coroutine(method(*args, **kw), method)
+    return completed(method(*args, **kw))
+
+
+def _parameter_rrefs(rref: rpc.RRef[torch.nn.Module]) -> list[rpc.RRef[torch.Tensor]]:
+    return [rpc.RRef(p) for p in rref.local_value().parameters()]
+
+
+def _type_of(rref: rpc.RRef[Any]) -> type:
+    return type(rref.local_value())
+
+
+def _construct(cls: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+    return cls(*args, **kwargs)
+
+
+# ---- caller side ---------------------------------------------------------------------
+
+
+class RemoteObject(Generic[T]):
+    """A handle to an object living on another worker.
+
+    Made by `asyncrpc.spawn(to, cls, ...)`, or from an RRef torch code holds:
+    `RemoteObject(rref)`. Verbs: `call` (wait for the result), `call_async`
+    (a Future), `call_remote` (the result stays on the owner; an RRef), and
+    `options(timeout=...)` for a handle whose calls use other options. The
+    object is released when the last handle (and RRef to it) is gone.
+
+    Example::
+
+        counter = asyncrpc.spawn("worker1", collections.Counter)
+        counter.call("update", "abca")
+        counter.call("most_common", 1)  # [('a', 2)]
+        counter.options(timeout=5).call("total")
+    """
+
+    def __init__(
+        self,
+        rref: rpc.RRef[T],
+        cls: type[T] | None = None,
+        *,
+        timeout: float = _calls.UNSET_RPC_TIMEOUT,
+    ) -> None:
+        if not isinstance(rref, _torch.PyRRef):
+            raise TypeError(
+                f"{type(self).__name__} wraps an RRef, got {type(rref).__name__} {rref!r:.60}; "
+                f"to build an object on a worker use asyncrpc.spawn(to, cls, *args)"
+            )
+        self.rref = rref
+        self.cls = cls
+        self._timeout = _calls.check_timeout("timeout", timeout)
+
+    @property
+    def owner(self) -> str:
+        """Name of the worker that holds the object."""
+        return str(self.rref.owner().name)
+
+    def options(self, *, timeout: float = _calls.UNSET_RPC_TIMEOUT) -> RemoteObject[T]:
+        """A handle to the same object whose calls use these options.
+
+        Example::
+
+            counter.options(timeout=2.5).call("add", 1)
+        """
+        return type(self)(self.rref, self.cls, timeout=timeout)
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Run `obj.method(*args, **kwargs)` on the owner and return the result."""
+        worker, invoker, seconds = self._check(method)
+        call_args = (self.rref, method, args, kwargs)
+        label = self._label(method)
+        return _calls.call_sync(worker, worker, invoker, call_args, None, seconds, label)
+
+    def call_async(self, method: str, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Start `obj.method(*args, **kwargs)` on the owner; a Future of the result."""
+        worker, invoker, seconds = self._check(method)
+        call_args = (self.rref, method, args, kwargs)
+        label = self._label(method)
+        return _calls.send(worker, worker, invoker, call_args, None, seconds, label)
+
+    def call_remote(self, method: str, /, *args: Any, **kwargs: Any) -> rpc.RRef[Any]:
+        """Run `obj.method(*args, **kwargs)` on the owner, keep the result there; an RRef.
+
+        As with torch's `remote`, the timeout bounds creating the result on the
+        owner; bound the wait for the value with `rref.to_here(timeout)`.
+        """
+        worker, invoker, seconds = self._check(method)
+        call_args = (self.rref, method, args, kwargs)
+        label = self._label(method)
+        return _calls.send_remote(worker, worker, invoker, call_args, None, seconds, label)
+
+    def to_here(self) -> T:
+        """A copy of the remote object, fetched to this worker."""
+        worker, _, seconds = self._check(None)
+        label = "to_here()"
+        value: T = _calls.call_sync(
+            worker, worker, _local_value, (self.rref,), None, seconds, label
+        )
+        return value
+
+    def rpc_sync(self) -> Any:
+        """torch's RRef proxy: `h.rpc_sync().method(*args)` (same as `h.call`)."""
+        return self.rref.rpc_sync(timeout=self._timeout)
+
+    def rpc_async(self) -> Any:
+        """torch's RRef proxy: `h.rpc_async().method(*args)` gives a Future."""
+        return self.rref.rpc_async(timeout=self._timeout)
+
+    def remote(self) -> Any:
+        """torch's RRef proxy: `h.remote().method(*args)` gives an RRef."""
+        return self.rref.remote(timeout=self._timeout)
+
+    def _check(self, method: str | None) -> tuple[str, Callable[..., Any], float]:
+        worker = self.owner
+        _calls.check("call", worker, _invoke, None, None, self._timeout)
+        if method is None:
+            return worker, _local_value, self._timeout
+        if not isinstance(method, str):
+            raise TypeError(
+                f"the method is named by a string, got {type(method).__name__} {method!r:.60}; "
+                f"write handle.call('name', *args)"
+            )
+        if self.cls is None:
+            return worker, _invoke_async, self._timeout  # the owner checks and decides
+        attr = getattr(self.cls, method, None)
+        if not callable(attr):
+            raise AttributeError(_no_method(self.cls, method, attr))
+        is_async = _torch.async_target(attr) is not None or inspect.iscoroutinefunction(attr)
+        return worker, (_invoke_async if is_async else _invoke), self._timeout
+
+    def _label(self, method: str) -> str:
+        owner = self.cls.__qualname__ if self.cls is not None else "object"
+        return f"{owner}.{method}()"
+
+    def __repr__(self) -> str:
+        what = self.cls.__qualname__ if self.cls is not None else "an object"
+        return f"<{type(self).__name__} of {what} on {self.owner!r}>"
+
+
+def _local_value(rref: rpc.RRef[T]) -> T:
+    value: T = rref.local_value()
+    return value
+
+
+def _no_method(cls: type, name: str, attr: object) -> str:
+    names = [n for n in dir(cls) if not n.startswith("_")]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    what = "has no method" if attr is None else "has an attribute, not a method, named"
+    return f"{cls.__name__} {what} {name!r}; {hint}pass a method name: handle.call('name', *args)"
+
+
+class RemoteModule(RemoteObject[M]):
+    """A handle to an `nn.Module` on another worker; calling it runs `forward` there.
+
+    No TorchScript involved. Gradients flow back through
+    `torch.distributed.autograd`, and `parameter_rrefs()` feeds a
+    `DistributedOptimizer`.
+
+    Example::
+
+        net = asyncrpc.spawn("worker1", torch.nn.Linear, 4, 1)
+        with torch.distributed.autograd.context() as ctx_id:
+            loss = net(torch.randn(8, 4)).sum()
+            torch.distributed.autograd.backward(ctx_id, [loss])
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module on its owner and return the output."""
+        return self.call("forward", *args, **kwargs)
+
+    __call__ = forward
+
+    def forward_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Run the module on its owner; a Future of the output."""
+        return self.call_async("forward", *args, **kwargs)
+
+    def parameter_rrefs(self) -> list[rpc.RRef[torch.Tensor]]:
+        """RRefs to the module's parameters, for `DistributedOptimizer`."""
+        worker, _, seconds = self._check(None)
+        label = "parameter_rrefs()"
+        return list(
+            _calls.call_sync(worker, worker, _parameter_rrefs, (self.rref,), None, seconds, label)
+        )
+
+
+@overload
+def spawn(
+    to: _calls.Target, cls: Callable[P, M], /, *args: P.args, **kwargs: P.kwargs
+) -> RemoteModule[M]: ...
+@overload
+def spawn(
+    to: _calls.Target, cls: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
+) -> RemoteObject[T]: ...
+def spawn(to: _calls.Target, cls: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Build `cls(*args, **kwargs)` on worker `to`; a handle to the new object.
+
+    `cls` is a class or any factory (a function, `functools.partial`); an
+    `nn.Module` gives a `RemoteModule`. Every argument goes to `cls`: set call
+    options on the handle, `spawn(...).options(timeout=5)`.
+
+    Example::
+
+        net = asyncrpc.spawn("worker1", torch.nn.Linear, 4, 1)
+        print(net(torch.ones(2, 4)))
+    """
+    worker, seconds = _calls.check("spawn", to, cls, None, None, None)
+    args_sent = (cls, args, kwargs)
+    rref = _calls.send_remote(worker, to, _construct, args_sent, None, seconds, cls)
+    made = _made_class(cls)
+    if made is None:  # a factory: ask the owner what it built (waits for it)
+        made = _calls.call_sync(worker, to, _type_of, (rref,), None, seconds, cls)
+    is_module = made is not None and issubclass(made, torch.nn.Module)
+    return (RemoteModule if is_module else RemoteObject)(rref, made)
+
+
+def _made_class(factory: Callable[..., Any]) -> type | None:
+    """The class a factory builds, where it can be told without running it."""
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    return factory if isinstance(factory, type) else None
+
+
+def call_all(
+    handles: Iterable[RemoteObject[Any]], method: str, /, *args: Any, **kwargs: Any
+) -> Future[list[Any]]:
+    """Call `method` on every handle at once; a Future of the results, in order.
+
+    Fails as soon as one call fails.
+
+    Example::
+
+        shards = [asyncrpc.spawn(n, Shard, i) for i, n in enumerate(ctx.workers("ps"))]
+        sizes = asyncrpc.call_all(shards, "size").wait()
+    """
+    items: Sequence[RemoteObject[Any]] = list(handles)
+    for h in items:
+        if not isinstance(h, RemoteObject):
+            raise TypeError(
+                f"call_all expects handles from asyncrpc.spawn(to, cls, ...), got "
+                f"{type(h).__name__} {h!r:.60}"
+            )
+    return gather([h.call_async(method, *args, **kwargs) for h in items])

@@ -1,0 +1,285 @@
+"""`asyncrpc.run`: one script, run embedded or under a launcher.
+
+Under torchrun (or `asyncrpc-launch`) every process already is a worker, so
+`run` joins the world and calls `main`. Without a launcher, the calling
+process becomes a supervisor: it hosts the rendezvous store on loopback,
+spawns the workers and watches them::
+
+    python script.py  (supervisor: store on 127.0.0.1:<free port>)
+       |-- spawn --> worker0: init -> main(ctx) -> shutdown --.
+       |-- spawn --> worker1: init -> main(ctx) -> shutdown --+-- exit codes,
+       |-- spawn --> worker2: init -> main(ctx) -> shutdown --'   tracebacks (pipe)
+       `-- first failure: stop the rest, raise WorkerFailedError naming the worker
+
+Under a launcher, a worker that raises writes its name to the world's store;
+workers waiting in shutdown on other machines (which their own launcher
+would not stop) poll for it and leave::
+
+    node 0: worker0 raises --set failed=worker0--> store (node 0)
+    node 1: worker2 in shutdown <--check, every 0.5 s-- store -> exit 1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+
+from . import _rendezvous, _world
+from ._errors import WorkerFailedError
+
+__all__ = ["run"]
+
+_GRACE_S = 3.0  # how long survivors get to exit on their own after a failure
+_KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL
+_WATCH_S = 0.5  # how often a worker waiting to shut down looks for a peer's failure
+
+
+def launched() -> bool:
+    """True when a launcher (torchrun, asyncrpc-launch) started this process as a worker."""
+    return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run(
+    main: Callable[..., object],
+    world_size: int | None = None,
+    *,
+    args: tuple[Any, ...] = (),
+    roles: Mapping[str, int] | None = None,
+    **options: Any,
+) -> None:
+    """Run `main(ctx, *args)` on every worker of a world, then shut RPC down cleanly.
+
+    Under a launcher the process joins the launcher's world; otherwise `run`
+    starts `world_size` local worker processes itself (`main` must then be
+    defined at module level, behind ``if __name__ == "__main__":``). If a worker
+    raises or dies, the others are stopped and `WorkerFailedError` names it.
+    Options (`num_worker_threads`, `rpc_timeout`, ...): see `Settings`. Example::
+
+        def main(ctx):
+            print(ctx.name, "of", ctx.world_size)
+
+        if __name__ == "__main__":
+            asyncrpc.run(main, world_size=3)
+    """
+    _check_main(main)
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}; write args=(x,)")
+    settings = _world.Settings.from_options(options)
+    size = _world.resolve_world_size(world_size, roles)
+    if launched():
+        _run_launched(main, args, size, roles, settings)
+        return
+    if size is None:
+        raise ValueError(
+            "asyncrpc.run needs world_size=N (or roles=...) to start a local world; "
+            "under a launcher it takes the launcher's"
+        )
+    _run_embedded(main, args, size, roles, settings)
+
+
+def _check_main(main: object) -> None:
+    if not callable(main):
+        raise TypeError(
+            f"asyncrpc.run expects a function main(ctx), got {type(main).__name__} {main!r}; "
+            f"pass the function itself: asyncrpc.run(main, world_size=N)"
+        )
+    qualname = getattr(main, "__qualname__", "")
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        raise TypeError(
+            f"main must be a module-level function so that worker processes can import "
+            f"it, got {qualname!r}; define it with def at the top level of your script"
+        )
+
+
+def _run_launched(
+    main: Callable[..., object],
+    args: tuple[Any, ...],
+    world_size: int | None,
+    roles: Mapping[str, int] | None,
+    settings: _world.Settings,
+) -> None:
+    ctx = _world.init(world_size=world_size, roles=roles, **_as_options(settings))
+    store, tag = _world.current_store(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    try:
+        main(ctx, *args)
+    except BaseException:
+        print(f"asyncrpc: worker {ctx.name!r} (rank {ctx.rank}) failed", file=sys.stderr)
+        _rendezvous.report_failure(store, ctx.name, tag)
+        # Peers may still wait on this worker: leave without the shutdown barrier.
+        _world.shutdown(graceful=False)
+        raise
+    with _leaving_if_a_peer_fails(store, ctx.name, tag):
+        _world.shutdown()
+
+
+@contextlib.contextmanager
+def _leaving_if_a_peer_fails(store: Store, name: str, tag: str) -> Iterator[None]:
+    # The graceful shutdown waits for every peer without a deadline. On one node
+    # the launcher stops the survivors of a failure; across nodes nothing would,
+    # so a peer's failure report in the store ends this worker too.
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(_WATCH_S):
+            try:
+                failed = _rendezvous.failed_peer(store, tag)
+            except (RuntimeError, dist.DistNetworkError):
+                return  # the store's host has exited; nothing more to learn
+            if failed is not None:
+                print(
+                    f"asyncrpc: worker {failed!r} failed; {name!r} leaves the world",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+
+    watcher = threading.Thread(target=watch, name="asyncrpc-peer-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
+def _as_options(settings: _world.Settings) -> dict[str, Any]:
+    return {f: getattr(settings, f) for f in settings.__dataclass_fields__}
+
+
+def _run_embedded(
+    main: Callable[..., object],
+    args: tuple[Any, ...],
+    world_size: int,
+    roles: Mapping[str, int] | None,
+    settings: _world.Settings,
+) -> None:
+    host = "127.0.0.1"
+    store = _rendezvous.host_store(host, 0, settings.init_timeout)
+    names = _world.names_for(world_size, roles)
+    spawner = multiprocessing.get_context("spawn")
+    procs: list[BaseProcess] = []
+    errors: list[multiprocessing.connection.Connection] = []
+    try:
+        for rank in range(world_size):
+            reader, writer = spawner.Pipe(duplex=False)
+            spec = (rank, world_size, names[rank], host, store.port, settings, roles)
+            proc = spawner.Process(
+                target=_worker, args=(main, args, spec, writer), name=names[rank]
+            )
+            proc.start()
+            writer.close()
+            procs.append(proc)
+            errors.append(reader)
+        failure = _supervise(procs, errors, names)
+    except BaseException:
+        _stop(procs)
+        raise
+    if failure is not None:
+        raise failure
+
+
+def _worker(
+    main: Callable[..., object],
+    args: tuple[Any, ...],
+    spec: tuple[Any, ...],
+    errors: multiprocessing.connection.Connection,
+) -> None:
+    rank, world_size, name, host, port, settings, roles = spec
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=host,
+        MASTER_PORT=str(port),
+    )
+    try:
+        ctx = _world.start(
+            rank, world_size, name, host, port, settings, roles=roles, hosts_store=False
+        )
+        try:
+            main(ctx, *args)
+        except BaseException:
+            _world.shutdown(graceful=False)
+            raise
+        _world.shutdown()
+    except BaseException:
+        errors.send(traceback.format_exc())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # A failed agent can leave threads that block a normal interpreter exit.
+        os._exit(1)
+
+
+def _supervise(
+    procs: list[BaseProcess],
+    errors: list[multiprocessing.connection.Connection],
+    names: tuple[str, ...],
+) -> WorkerFailedError | None:
+    running: dict[object, int] = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+    failures: list[WorkerFailedError] = []
+    deadline = None
+    while running:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = multiprocessing.connection.wait(list(running), timeout)  # type: ignore[arg-type]
+        exited = sorted((running.pop(s) for s in ready), key=lambda r: _signal_first(procs[r]))
+        for rank in exited:
+            procs[rank].join()
+            if procs[rank].exitcode != 0:
+                failures.append(_failure(rank, names[rank], procs[rank], errors[rank]))
+        if failures and deadline is None:
+            deadline = time.monotonic() + _GRACE_S
+        if deadline is not None and time.monotonic() >= deadline and running:
+            _stop([procs[r] for r in running.values()])
+            running.clear()
+    return _report(failures)
+
+
+def _signal_first(proc: BaseProcess) -> int:
+    proc.join()
+    return 0 if (proc.exitcode or 0) < 0 else 1
+
+
+def _failure(
+    rank: int, name: str, proc: BaseProcess, errors: multiprocessing.connection.Connection
+) -> WorkerFailedError:
+    text = ""
+    if errors.poll():
+        try:
+            text = str(errors.recv())
+        except (EOFError, OSError):
+            text = ""
+    return WorkerFailedError(name, rank, proc.exitcode, text)
+
+
+def _report(failures: list[WorkerFailedError]) -> WorkerFailedError | None:
+    if not failures:
+        return None
+    first = failures[0]
+    for other in failures[1:]:
+        first.add_note(f"also failed afterwards: {other.name!r} (rank {other.rank})")
+    return first
+
+
+def _stop(procs: list[BaseProcess]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + _KILL_AFTER_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

@@ -1,0 +1,213 @@
+"""The torch boundary: every private torch name and every match on torch's message text.
+
+`torch.distributed.rpc` is in maintenance mode and will not grow the hooks
+asyncrpc needs, so where asyncrpc reaches past torch's public API it does so
+here and nowhere else. tests/test_torch_boundary.py checks each item against
+the installed torch, so an upgrade that moves one fails there, by name.
+
+    asyncrpc modules ──> _torch ──> torch._C._distributed_rpc (agent, options)
+                                ──> torch._C.Future (_set_unwrap_func, __await__)
+                                ──> RRef._get_future, RemoteException
+                                ──> torch's error texts (timeout, transport, pickle)
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch._C import _distributed_rpc as _rpc_c
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch._C._distributed_rpc import PyRRef, WorkerInfo
+from torch.distributed.rpc.internal import RemoteException
+
+__all__ = [
+    "ASYNC_MARK",
+    "UNSET_TIMEOUT",
+    "FutureType",
+    "PrefixStore",
+    "PyRRef",
+    "RemoteException",
+    "Store",
+    "TCPStore",
+    "WorkerInfo",
+    "agent_running",
+    "agent_threads",
+    "agent_timeout",
+    "async_target",
+    "backend_options",
+    "current_agent",
+    "failure_kind",
+    "install_await",
+    "is_builtin",
+    "is_rpc_thread",
+    "mark_async",
+    "profiler_config",
+    "register_rendezvous",
+    "rref_future",
+    "set_unwrap",
+    "uninstall_await",
+    "worker_infos",
+]
+
+FutureType = torch._C.Future
+UNSET_TIMEOUT: float = rpc.constants.UNSET_RPC_TIMEOUT
+# torch's caller reads this attribute to send a call as async_execution.
+ASYNC_MARK = "_wrapped_async_rpc_function"
+
+# ---- the agent ------------------------------------------------------------------------
+
+
+def agent_running() -> bool:
+    """True while torch's RPC agent runs in this process, whoever started it."""
+    return bool(_rpc_c._is_current_rpc_agent_set())
+
+
+def current_agent() -> Any:
+    """torch's RPC agent of this process (call only while `agent_running()`)."""
+    return _rpc_c._get_current_rpc_agent()
+
+
+def worker_infos() -> list[WorkerInfo]:
+    """Every worker of the running world, in rank order."""
+    return sorted(current_agent().get_worker_infos(), key=lambda info: info.id)
+
+
+def agent_threads(default: int = 16) -> int:
+    """How many RPC threads serve incoming calls (torch's `num_worker_threads`)."""
+    try:
+        return int(current_agent()._get_backend_options().num_worker_threads)
+    except AttributeError:  # an agent other than TensorPipe's
+        return default
+
+
+def agent_timeout() -> float:
+    """The world's default call timeout in seconds (0: none)."""
+    return float(_rpc_c.get_rpc_timeout())
+
+
+def backend_options(
+    num_worker_threads: int,
+    rpc_timeout: float,
+    init_method: str,
+    transports: Sequence[str] | None,
+    channels: Sequence[str] | None,
+) -> rpc.TensorPipeRpcBackendOptions:
+    """TensorPipe's options, with its private transport and channel choice."""
+    return rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=num_worker_threads,
+        rpc_timeout=rpc_timeout,
+        init_method=init_method,
+        _transports=list(transports) if transports else None,
+        _channels=list(channels) if channels else None,
+    )
+
+
+def is_rpc_thread() -> bool:
+    """True on one of torch's RPC threads (C++ threads: Python sees them as dummies)."""
+    return isinstance(threading.current_thread(), threading._DummyThread)
+
+
+# ---- functions, Futures and RRefs -----------------------------------------------------
+
+
+def is_builtin(func: object) -> bool:
+    """True for a torch operator (torch.add): torch sends it by name, not pickled."""
+    return torch.jit._builtins._find_builtin(func) is not None  # type: ignore[no-untyped-call]
+
+
+def mark_async(wrapper: object, func: object) -> None:
+    """Mark `wrapper` so torch sends calls to it as async_execution, running `func`."""
+    setattr(wrapper, ASYNC_MARK, func)
+
+
+def async_target(func: object) -> Any:
+    """What an async_execution function wraps, or None for an ordinary function."""
+    return getattr(func, ASYNC_MARK, None)
+
+
+def set_unwrap(fut: Any, check: Callable[[Any], object]) -> None:
+    """Run `check(value)` whenever `fut`'s value is read; an exception it raises propagates."""
+    fut._set_unwrap_func(check)
+
+
+def rref_future(rref: Any) -> Any:
+    """The Future that completes when `rref`'s value exists on its owner."""
+    return rref._get_future()
+
+
+def profiler_config() -> Any:
+    """A profiler configuration that records every thread, torch's RPC threads included."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    return _ExperimentalConfig(profile_all_threads=True)
+
+
+def register_rendezvous(name: str, create: Callable[..., Any]) -> None:
+    """Register a torchrun rendezvous backend once."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    if name not in rendezvous_handler_registry._registry:
+        rendezvous_handler_registry.register(name, create)
+
+
+# ---- awaiting torch Futures -----------------------------------------------------------
+
+_await_lock = threading.Lock()
+
+
+def install_await(method: Callable[[Any], Any]) -> bool:
+    """Give torch Futures an `__await__`; False when one is already there (kept)."""
+    with _await_lock:
+        if hasattr(FutureType, "__await__"):
+            return False
+        FutureType.__await__ = method  # type: ignore[attr-defined]
+        return True
+
+
+def uninstall_await(method: Callable[[Any], Any]) -> None:
+    """Remove the `__await__` that `install_await` put there (and only that one)."""
+    with _await_lock:
+        if FutureType.__dict__.get("__await__") is method:
+            del FutureType.__await__  # type: ignore[attr-defined]
+
+
+# ---- torch's failure texts ------------------------------------------------------------
+
+# Each pattern is matched against the first lines of the RuntimeError that torch
+# raises from wait()/to_here(); tests/test_torch_boundary.py provokes each one.
+_KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("timeout", re.compile(r"ran for more than set timeout|timed out", re.IGNORECASE)),
+    (
+        "unreachable",
+        re.compile(
+            r"originated at tensorpipe/|Connection (reset|refused|closed)|"
+            r"RPCAgent has been shutdown|pipe has been closed|end of file"
+        ),
+    ),
+    ("unimportable", re.compile(r"No module named|Can't get attribute|can't get attribute")),
+    ("unpicklable", re.compile(r"pickl", re.IGNORECASE)),
+)
+
+
+def failure_kind(error: BaseException) -> str | None:
+    """Which torch failure `error` stands for: timeout, unreachable, unpicklable, unimportable.
+
+    None for anything else (a remote function's own error, say).
+    """
+    text = str(error)[:2000]
+    for kind, pattern in _KINDS:
+        if pattern.search(text):
+            return kind
+    return None
+
+
+def remote_exception_parts(value: object) -> tuple[str, type[BaseException]] | None:
+    """(message, type) when `value` is torch's wire form of a remote exception."""
+    if isinstance(value, RemoteException):
+        return str(value.msg), value.exception_type
+    return None

@@ -1,0 +1,122 @@
+"""asyncrpc.run: the same program embedded, under asyncrpc-launch and under torchrun."""
+
+import os
+import pathlib
+import signal
+import time
+
+import pytest
+
+from conftest import PROGRAMS, ROOT, bin_path, run_program, start_program
+
+RING = str(ROOT / "examples" / "ring.py")
+RING_OUTPUT = [
+    "worker1 got [10.0, 10.0] from worker0",
+    "worker2 got [11.0, 11.0] from worker1",
+    "worker0 got [12.0, 12.0] from worker2",
+]
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        ["python"],
+        [bin_path("asyncrpc-launch"), "--nproc-per-node", "3"],
+        [bin_path("torchrun"), "--nproc-per-node", "3"],
+    ],
+    ids=["embedded", "asyncrpc-launch", "torchrun"],
+)
+def test_ring_prints_the_same_three_ways(launcher: list[str]) -> None:
+    done = run_program(*launcher, RING)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == RING_OUTPUT
+
+
+def test_roles_name_the_workers_and_args_reach_main() -> None:
+    done = run_program("python", str(PROGRAMS / "roles.py"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "hello from ps0",
+        "ps0:ps trainer0:trainer trainer1:trainer",
+        "trainers trainer0,trainer1",
+    ]
+
+
+def test_a_raising_worker_fails_the_run_with_its_traceback() -> None:
+    start = time.monotonic()
+    done = run_program("python", str(PROGRAMS / "raises.py"))
+    assert done.returncode != 0
+    assert time.monotonic() - start < 30
+    assert "WorkerFailedError: worker 'worker2' (rank 2) raised:" in done.stderr
+    assert "ExampleFailure: worker2 could not load its shard" in done.stderr
+    assert 'raises.py", line' in done.stderr  # the worker's own traceback
+
+
+def test_a_raising_worker_under_torchrun_is_named() -> None:
+    done = run_program(bin_path("torchrun"), "--nproc-per-node", "3", str(PROGRAMS / "raises.py"))
+    assert done.returncode != 0
+    assert "asyncrpc: worker 'worker2' (rank 2) failed" in done.stderr
+    assert "ExampleFailure" in done.stderr
+
+
+def _wait_for_pids(pids_dir: pathlib.Path, count: int, timeout: float = 60) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = list(pids_dir.iterdir())
+        if len(files) == count and all(f.read_text() for f in files):
+            return {f.name: int(f.read_text()) for f in files}
+        time.sleep(0.1)
+    raise AssertionError(f"workers did not start: {list(pids_dir.iterdir())}")
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_fails_the_run_within_30_s(tmp_path: pathlib.Path) -> None:
+    import sys
+
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    proc = start_program(
+        sys.executable, str(PROGRAMS / "busy.py"), env={"PIDS_DIR": str(pids_dir)}
+    )
+    try:
+        pids = _wait_for_pids(pids_dir, 3)
+        time.sleep(0.5)  # calls to worker1 are in flight
+        killed_at = time.monotonic()
+        os.kill(pids["worker1"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert elapsed < 30
+    assert "worker 'worker1' (rank 1) was killed by SIGKILL" in err
+    for pid in pids.values():  # nothing is left behind
+        assert not pathlib.Path(f"/proc/{pid}").exists() or _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_run_rejects_a_lambda() -> None:
+    import asyncrpc
+
+    with pytest.raises(TypeError, match="module-level function"):
+        asyncrpc.run(lambda ctx: None, world_size=2)
+    with pytest.raises(TypeError, match="expects a function main"):
+        asyncrpc.run(print(), world_size=2)  # type: ignore[arg-type, func-returns-value]
+
+
+def test_run_needs_a_size_without_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncrpc
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="needs world_size=N"):
+        asyncrpc.run(_module_main)
+
+
+def _module_main(ctx: object) -> None:
+    pass
