@@ -220,7 +220,7 @@ def send(
     sent, replied = _traced(worker, func)
     sent, args, kwargs = _wrapped(sent, args, kwargs)
     try:
-        fut = rpc.rpc_async(to, sent, args=args, kwargs=kwargs, timeout=seconds)
+        fut = _torch.rpc_async(to, sent, args=args, kwargs=kwargs, timeout=seconds)
     except Exception as exc:
         _failures.raise_unsendable(exc, worker, label)
     if replied is not None:
@@ -242,7 +242,7 @@ def send_remote(
     """torch's remote after `check`; the owner keeps the value (or the exception)."""
     sent, replied = _traced(worker, func)
     try:
-        rref = rpc.remote(to, sent, args=_tuple(args), kwargs=kwargs, timeout=seconds)
+        rref = _torch.remote(to, sent, args=_tuple(args), kwargs=kwargs, timeout=seconds)
     except Exception as exc:
         _failures.raise_unsendable(exc, worker, label)
     if replied is not None:

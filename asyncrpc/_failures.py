@@ -45,6 +45,7 @@ __all__ = [
     "failure_of",
     "label_of",
     "name_failure",
+    "name_rref_failure",
     "raise_unsendable",
     "revive_remote",
 ]
@@ -243,6 +244,11 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
         )
     named.__cause__ = error
     return named
+
+
+def name_rref_failure(error: BaseException, owner: str) -> BaseException:
+    """`name_failure` for torch's `RRef.to_here()`."""
+    return name_failure(error, owner, "RRef.to_here()")
 
 
 def raise_unsendable(error: BaseException, worker: str, func: object) -> NoReturn:

@@ -13,6 +13,7 @@ the installed torch, so an upgrade that moves one fails there, by name.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -46,8 +47,12 @@ __all__ = [
     "is_builtin",
     "is_rpc_thread",
     "mark_async",
+    "name_rref_failures",
     "profiler_config",
     "register_rendezvous",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
     "rref_future",
     "set_unwrap",
     "uninstall_await",
@@ -56,6 +61,10 @@ __all__ = [
 
 FutureType = torch._C.Future
 UNSET_TIMEOUT: float = rpc.constants.UNSET_RPC_TIMEOUT
+# torch's own verbs, bound once: a program may swap rpc.rpc_async for asyncrpc's.
+rpc_async = rpc.rpc_async
+remote = rpc.remote
+rpc_sync = rpc.rpc_sync
 # torch's caller reads this attribute to send a call as async_execution.
 ASYNC_MARK = "_wrapped_async_rpc_function"
 
@@ -153,6 +162,41 @@ def register_rendezvous(name: str, create: Callable[..., Any]) -> None:
 
     if name not in rendezvous_handler_registry._registry:
         rendezvous_handler_registry.register(name, create)
+
+
+# ---- naming the failures of RRef.to_here ----------------------------------------------
+
+_to_here = PyRRef.to_here
+
+
+def name_rref_failures(name: Callable[[BaseException, str], BaseException]) -> None:
+    """Make `RRef.to_here()` raise `name(error, owner)` for torch's failures (once).
+
+    torch's RRef is a C++ type that asyncrpc cannot wrap, so `to_here` of
+    every RRef passes its RuntimeError through `name`, which returns an error
+    that is still a RuntimeError carrying torch's text.
+    """
+    with _await_lock:
+        if PyRRef.__dict__.get("to_here") is not _to_here:
+            return
+
+        @functools.wraps(_to_here)
+        def to_here(self: Any, timeout: float = UNSET_TIMEOUT) -> Any:
+            try:
+                return _to_here(self, timeout)
+            except RuntimeError as exc:
+                named = name(exc, str(self.owner().name))
+                if named is exc:
+                    raise
+                raise named from exc
+
+        PyRRef.to_here = to_here  # type: ignore[method-assign]
+
+
+def unname_rref_failures() -> None:
+    """Put torch's own `RRef.to_here` back."""
+    with _await_lock:
+        PyRRef.to_here = _to_here  # type: ignore[method-assign]
 
 
 # ---- awaiting torch Futures -----------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from . import _net, _rendezvous, _torch
+from . import _failures, _net, _rendezvous, _torch
 from ._errors import AsyncRPCError, NotInitializedError, WorldSizeMismatchError
 from ._execution import enable_await
 from ._torch import Store
@@ -181,8 +181,15 @@ def _adopt() -> World:
     context = Context(int(me.id), len(names), str(me.name), names)
     world = World(context, _torch.agent_threads())
     _adopted = (agent, world)
-    enable_await()
+    _install_hooks()
     return world
+
+
+def _install_hooks() -> None:
+    # Installed when asyncrpc first meets a world, never at import: torch Futures
+    # become awaitable, and RRef.to_here names the owner when torch fails.
+    enable_await()
+    _torch.name_rref_failures(_failures.name_rref_failure)
 
 
 def current_store() -> Store:
@@ -330,7 +337,7 @@ def start(
         # here: the world must already be visible to the functions they run.
         world = World(context, settings.num_worker_threads, store, settings)
         _world = world
-        enable_await()
+        _install_hooks()
         try:
             _start_agent(world, master_addr)
         except BaseException:

@@ -275,7 +275,10 @@ def test_non_future_return_says_what_to_return(world: asyncrpc.Context, mode: st
 @pytest.mark.parametrize("mode", MODES)
 def test_failed_future_raises_at_the_caller(world: asyncrpc.Context, mode: str) -> None:
     # torch alone sends set_exception's error back as an ordinary return value.
-    with pytest.raises(Exception, match=r"(?s)On worker .{0,4}worker1.*no such shard|no such shard.*On worker 'worker1'"):
+    with pytest.raises(
+        Exception,
+        match=r"(?s)On worker .{0,4}worker1.*no such shard|no such shard.*On worker 'worker1'",
+    ):
         call(mode, returns_failed_future)
 
 
@@ -298,9 +301,7 @@ def test_async_def_exception_keeps_type_message_and_traceback(world: asyncrpc.Co
 
 def test_a_timeout_firing_inside_an_async_def_reaches_the_caller(world: asyncrpc.Context) -> None:
     assert asyncrpc.rpc_sync("worker1", awaits_with_timeout, args=("worker2", 0.0, 5.0)) == 0.0
-    with pytest.raises(
-        TimeoutError, match=r"(?s)within 0\.2 s.*On worker 'worker1'"
-    ):
+    with pytest.raises(TimeoutError, match=r"(?s)within 0\.2 s.*On worker 'worker1'"):
         asyncrpc.rpc_sync("worker1", awaits_with_timeout, args=("worker2", 2.0, 0.2))
     call_timeout = asyncrpc.rpc_async(
         "worker1", awaits_with_timeout, args=("worker2", 2.0, 9.0), timeout=0.3

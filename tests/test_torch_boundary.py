@@ -1,0 +1,148 @@
+"""Every private torch name and message text asyncrpc relies on, checked against this torch.
+
+asyncrpc/_torch.py is the only module that touches them; if an upgrade of torch
+moves one, a test here fails by name.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+
+import asyncrpc
+from asyncrpc import _torch
+
+from conftest import PROGRAMS, run_program
+
+
+def sleepy(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def give_lock() -> threading.Lock:
+    return threading.Lock()
+
+
+def return_worker_only(folder: str) -> object:
+    with open(os.path.join(folder, "worker_only_value.py"), "w") as f:
+        f.write("class Value:\n    pass\n")
+    sys.path.insert(0, folder)
+    import worker_only_value  # type: ignore[import-not-found]
+
+    return worker_only_value.Value()
+
+
+def plain(x: int) -> int:
+    return x
+
+
+def test_agent_and_its_options(world: asyncrpc.Context) -> None:
+    assert _torch.agent_running()
+    assert [info.name for info in _torch.worker_infos()] == list(world.names)
+    assert _torch.agent_threads() == asyncrpc.Settings().num_worker_threads
+    assert _torch.agent_timeout() == 30.0  # conftest's rpc_timeout
+    assert _torch.current_agent() is _torch.current_agent()  # adoption's cache key
+
+
+def test_rpc_threads_are_told_apart(world: asyncrpc.Context) -> None:
+    assert not _torch.is_rpc_thread()
+    assert asyncrpc.rpc_sync("worker1", _torch.is_rpc_thread) is True
+
+
+def test_builtins_and_the_async_mark() -> None:
+    assert _torch.is_builtin(torch.add) and not _torch.is_builtin(plain)
+    marked = rpc.functions.async_execution(plain)
+    assert _torch.async_target(marked) is plain  # torch's own decorator sets what we read
+    _torch.mark_async(sleepy, plain)
+    try:
+        assert _torch.async_target(sleepy) is plain
+    finally:
+        delattr(sleepy, _torch.ASYNC_MARK)
+
+
+def test_unwrap_hook_raises_with_the_type_kept() -> None:
+    fut: torch.futures.Future[int] = torch.futures.Future()
+
+    def check(value: object) -> None:
+        raise KeyError(value)
+
+    _torch.set_unwrap(fut, check)
+    fut.set_result(3)
+    with pytest.raises(KeyError, match="3"):
+        fut.wait()
+
+
+def test_rref_future_and_remote_exception(world: asyncrpc.Context) -> None:
+    rref = _torch.remote("worker1", plain, args=(4,))
+    _torch.rref_future(rref).wait()
+    assert rref.to_here() == 4
+    wire = _torch.RemoteException("msg", KeyError)
+    assert (wire.msg, wire.exception_type) == ("msg", KeyError)
+
+
+def test_options_store_profiler_and_rendezvous_registry() -> None:
+    options = _torch.backend_options(4, 10.0, "env://", ["uv"], ["basic"])
+    assert options.num_worker_threads == 4
+    assert issubclass(_torch.TCPStore, _torch.Store)
+    assert _torch.profiler_config() is not None
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    _torch.register_rendezvous("asyncrpc-boundary-test", lambda params: None)
+    assert "asyncrpc-boundary-test" in rendezvous_handler_registry._registry
+
+
+@pytest.mark.parametrize(
+    ("call", "kind"),
+    [
+        (lambda: _torch.rpc_async("worker1", sleepy, args=(2.0,), timeout=0.2).wait(), "timeout"),
+        (lambda: _torch.rpc_sync("worker1", give_lock), "unpicklable"),
+    ],
+    ids=["timeout", "unpicklable"],
+)
+def test_torchs_failure_texts_are_recognised(
+    world: asyncrpc.Context, call: object, kind: str
+) -> None:
+    with pytest.raises(RuntimeError) as raised:
+        call()  # type: ignore[operator]
+    assert _torch.failure_kind(raised.value) == kind, str(raised.value)
+
+
+def test_torchs_text_for_a_reply_it_cannot_import(world: asyncrpc.Context) -> None:
+    with tempfile.TemporaryDirectory() as folder, pytest.raises(RuntimeError) as raised:
+        _torch.rpc_sync("worker1", return_worker_only, args=(folder,))
+    assert _torch.failure_kind(raised.value) == "unimportable", str(raised.value)
+
+
+def test_torchs_transport_texts_are_recognised() -> None:
+    # Provoked end to end by the killed-worker row of tests/programs/failure_table.py.
+    for text in [
+        "EOF: end of file (this error originated at tensorpipe/transport/uv/connection_impl.cc)",
+        "pipe closed (this error originated at tensorpipe/core/pipe_impl.cc:356)",
+    ]:
+        assert _torch.failure_kind(RuntimeError(text)) == "unreachable"
+    assert _torch.failure_kind(RuntimeError("KeyError: 'x'")) is None
+
+
+def test_rref_to_here_names_the_owner_on_torchs_failures(world: asyncrpc.Context) -> None:
+    rref = _torch.remote("worker2", sleepy, args=(2.0,))
+    with pytest.raises(asyncrpc.CallTimeoutError, match="worker2") as raised:
+        rref.to_here(timeout=0.2)
+    assert isinstance(raised.value, RuntimeError)  # what torch raises there
+    assert rref.to_here() == 2.0  # other outcomes pass through untouched
+
+
+@pytest.mark.subprocess
+def test_import_changes_nothing_and_shutdown_puts_back_what_init_changed() -> None:
+    result = run_program("python", str(PROGRAMS / "side_effects.py"), timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "after import: no __await__" in result.stdout, result.stdout
+    assert "during: TP_SOCKET_IFNAME=lo" in result.stdout, result.stdout
+    assert "after shutdown: environment and threads as before" in result.stdout, result.stdout
