@@ -302,7 +302,7 @@ def run_python(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     try:
         return func(*args, **kwargs)
     except Exception as exc:
-        return _failures.capture(exc, _where(), func)
+        return _failures.capture(exc, _world.describe_self(), func)
 
 
 def run_python_async(
@@ -312,7 +312,7 @@ def run_python_async(
     try:
         fut = func(*args, **kwargs)
     except Exception as exc:
-        return _futures_completed(_failures.capture(exc, _where(), func))
+        return _futures_completed(_failures.capture(exc, _world.describe_self(), func))
     if not isinstance(fut, _torch.FutureType):
         return fut  # type: ignore[no-any-return]  # torch's own check reports it
     return cast(Future[Any], fut.then(functools.partial(_settle_remote, func)))
@@ -325,21 +325,13 @@ def _settle_remote(func: Callable[..., Any], fut: Future[Any]) -> Any:
     try:
         return fut.wait()
     except Exception as exc:
-        return _failures.capture(exc, _where(), func)
+        return _failures.capture(exc, _world.describe_self(), func)
 
 
 def _futures_completed(value: Any) -> Future[Any]:
     fut: Future[Any] = Future()
     fut.set_result(value)
     return fut
-
-
-def _where() -> str:
-    try:
-        ctx = _world.current_context()
-    except RuntimeError:
-        return "this process"
-    return f"worker {ctx.name!r} (rank {ctx.rank})"
 
 
 # ---- blocking calls from RPC threads --------------------------------------------------

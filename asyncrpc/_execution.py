@@ -150,7 +150,7 @@ class _Task:
             self._out.set_result(stop.value)
             return
         except BaseException as exc:  # every failure must reach the caller
-            failure = _failures.capture_for_torch(self._explain(exc), _where(), self._fn)
+            failure = _failures.capture_for_torch(self._explain(exc), _describe_self(), self._fn)
             self._out.set_result(failure)
             return
         finally:
@@ -191,16 +191,13 @@ def _capture_outcome(fn: object, fut: Future[Any]) -> Any:
     try:
         return fut.wait()
     except Exception as exc:
-        return _failures.capture_for_torch(exc, _where(), fn)
+        return _failures.capture_for_torch(exc, _describe_self(), fn)
 
 
-def _where() -> str:
-    from ._world import current_context, is_running
+def _describe_self() -> str:
+    from ._world import describe_self  # _world imports this module
 
-    if is_running():
-        ctx = current_context()
-        return f"worker {ctx.name!r} (rank {ctx.rank})"
-    return "this process"
+    return describe_self()
 
 
 def enable_await() -> None:

@@ -34,10 +34,10 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
 
-from . import _rendezvous, _world
+from . import _context, _rendezvous, _world
 from ._errors import WorkerFailedError
+from ._torch import Store
 
 __all__ = ["run"]
 
@@ -76,8 +76,8 @@ def run(
     _check_main(main)
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, got {type(args).__name__}; write args=(x,)")
-    settings = _world.Settings.from_options(options)
-    size = _world.resolve_world_size(world_size, roles)
+    settings = _context.Settings.from_options(options)
+    size = _context.resolve_world_size(world_size, roles)
     if launched():
         _run_launched(main, args, size, roles, settings)
         return
@@ -108,7 +108,7 @@ def _run_launched(
     args: tuple[Any, ...],
     world_size: int | None,
     roles: Mapping[str, int] | None,
-    settings: _world.Settings,
+    settings: _context.Settings,
 ) -> None:
     ctx = _world.init(world_size=world_size, roles=roles, **_as_options(settings))
     store, tag = _world.current_store(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
@@ -154,7 +154,7 @@ def _leaving_if_a_peer_fails(store: Store, name: str, tag: str) -> Iterator[None
         watcher.join()
 
 
-def _as_options(settings: _world.Settings) -> dict[str, Any]:
+def _as_options(settings: _context.Settings) -> dict[str, Any]:
     return {f: getattr(settings, f) for f in settings.__dataclass_fields__}
 
 
@@ -163,11 +163,11 @@ def _run_embedded(
     args: tuple[Any, ...],
     world_size: int,
     roles: Mapping[str, int] | None,
-    settings: _world.Settings,
+    settings: _context.Settings,
 ) -> None:
     host = "127.0.0.1"
     store = _rendezvous.host_store(host, 0, settings.init_timeout)
-    names = _world.names_for(world_size, roles)
+    names = _context.names_for(world_size, roles)
     spawner = multiprocessing.get_context("spawn")
     procs: list[BaseProcess] = []
     errors: list[multiprocessing.connection.Connection] = []

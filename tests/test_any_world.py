@@ -75,3 +75,16 @@ def test_each_failure_gives_one_error_type_on_every_verb() -> None:
     for row in rows[1:]:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == 8 and len(set(cells[1:])) == 1, row  # one type across verbs
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(150)
+def test_the_adoption_example_runs() -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    result = run_program("python", "examples/adopt.py", timeout=140, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = dict(line.split(":", 1) for line in result.stdout.splitlines() if ":" in line)
+    assert lines["torch"].strip() == lines["asyncrpc"].strip() == "tensor([2., 2.])"
+    assert "KeyError True On worker 'worker1' (rank 1), in lookup()" in lines["error"]
+    assert lines["handle"].strip() == "11"
+    assert lines["chained"].strip() == "tensor([3., 3.])"

@@ -1,9 +1,12 @@
-"""PyTorch's own async_execution tests pass with asyncrpc's decorator substituted.
+"""PyTorch's own RPC tests pass with asyncrpc's decorator, or asyncrpc's calls, substituted.
 
 Each of torch's tests starts a fresh 4-process world (~10 s), so the suite
-here runs a few forms (raise, wrong return, chained, static method, RRef
-proxy to a class method, TorchScript); tests/torch_suite/run_async_tests.py
-with no arguments runs all 37 of them.
+here runs a few of each: async functions (raise, wrong return, chained,
+static method, RRef proxy to a class method, TorchScript) with our
+decorator, and calls (Python functions, exceptions, nested calls, RRefs as
+arguments, timeouts) through our verbs. With no arguments,
+tests/torch_suite/run_async_tests.py runs all 37 of the first kind and
+tests/torch_suite/run_call_tests.py the default selection of the second.
 """
 
 import re
@@ -13,6 +16,7 @@ import pytest
 from conftest import ROOT, run_program
 
 SCRIPT = str(ROOT / "tests" / "torch_suite" / "run_async_tests.py")
+CALLS_SCRIPT = str(ROOT / "tests" / "torch_suite" / "run_call_tests.py")
 SUBSET = [
     "test_async_function_raise_remote",
     "test_async_function_wrong_return_type_async",
@@ -34,4 +38,28 @@ def test_torch_async_execution_tests_pass_with_our_decorator() -> None:
     assert "async_execution under test: asyncrpc._execution" in report
     ran = re.search(r"Ran (\d+) tests", report)
     assert ran and int(ran.group(1)) >= len(SUBSET), report[-2000:]
+    assert re.search(r"^OK", report, re.MULTILINE), report[-2000:]
+
+
+CALLS_SUBSET = [
+    "test_py_raise_in_user_func_escaped_str",
+    "test_py_class_method",
+    "test_nested_remote",
+    "test_py_rref_args_user_share",
+    "test_rpc_timeouts",
+    "test_rref_forward_chain",
+]
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(400)
+def test_torch_rpc_tests_pass_with_our_calls() -> None:
+    pytest.importorskip("expecttest", reason="torch's test helpers need expecttest")
+    argv = [arg for name in CALLS_SUBSET for arg in ("-k", name)]
+    result = run_program("python", CALLS_SCRIPT, *argv, timeout=380)
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report[-4000:]
+    assert "rpc verbs under test: asyncrpc._calls" in report
+    ran = re.search(r"Ran (\d+) tests", report)
+    assert ran and int(ran.group(1)) >= len(CALLS_SUBSET), report[-2000:]
     assert re.search(r"^OK", report, re.MULTILINE), report[-2000:]

@@ -3,7 +3,7 @@
 import pytest
 
 import asyncrpc
-from asyncrpc import _world
+from asyncrpc import _context
 
 from conftest import PROGRAMS, free_port, run_program
 
@@ -21,12 +21,12 @@ def test_remote_workers_see_their_own_context(world: asyncrpc.Context) -> None:
 
 
 def test_names_from_roles() -> None:
-    assert _world.names_for(3, None) == ("worker0", "worker1", "worker2")
-    assert _world.names_for(3, {"ps": 1, "trainer": 2}) == ("ps0", "trainer0", "trainer1")
+    assert _context.names_for(3, None) == ("worker0", "worker1", "worker2")
+    assert _context.names_for(3, {"ps": 1, "trainer": 2}) == ("ps0", "trainer0", "trainer1")
     with pytest.raises(asyncrpc.WorldSizeMismatchError, match="add up to 3 workers but"):
-        _world.names_for(4, {"ps": 1, "trainer": 2})
+        _context.names_for(4, {"ps": 1, "trainer": 2})
     with pytest.raises(ValueError, match="positive count"):
-        _world.names_for(1, {"ps": 0})
+        _context.names_for(1, {"ps": 0})
 
 
 def test_context_roles() -> None:

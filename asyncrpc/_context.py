@@ -1,0 +1,140 @@
+"""What a worker knows of its world (`Context`) and the options of a world (`Settings`).
+
+Plain values, built by `_world` when a world starts or is adopted, and by
+`_supervisor` before it spawns workers; nothing here touches torch's agent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from ._errors import WorldSizeMismatchError
+
+__all__ = ["Context", "Settings", "names_for", "resolve_world_size"]
+
+
+def _default_channels() -> tuple[str, ...] | None:
+    return None if torch.cuda.is_available() else ("basic",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Options shared by `init` and `run`; every field has a safe default."""
+
+    num_worker_threads: int = 16
+    rpc_timeout: float = 60.0
+    init_timeout: float = 120.0
+    intra_op_threads: int | None = None
+    interface: str | None = None
+    # TensorPipe's shared-memory transport busy-polls about a core per idle
+    # worker; uv (TCP) idles at ~0, which matters more on small machines.
+    # With uv, the basic channel (tensors inline on the connection) has the
+    # shortest round trip of the CPU channels; CUDA builds keep torch's set.
+    transports: tuple[str, ...] | None = ("uv",)
+    channels: tuple[str, ...] | None = dataclasses.field(default_factory=_default_channels)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
+            raise ValueError(
+                f"num_worker_threads must be a positive int, got {self.num_worker_threads!r}"
+            )
+        for field in ("rpc_timeout", "init_timeout"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{field} must be a finite number of seconds > 0, got {value!r}")
+        threads = self.intra_op_threads
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"intra_op_threads must be a positive int, got {threads!r}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Settings:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; asyncrpc accepts {sorted(known)}")
+        return cls(**options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a worker knows of its world; also a context manager that shuts it down.
+
+    Example::
+
+        def main(ctx: asyncrpc.Context) -> None:
+            peer = ctx.names[(ctx.rank + 1) % ctx.world_size]
+            print(ctx.name, "->", peer, ctx.workers("trainer"))
+    """
+
+    rank: int
+    world_size: int
+    name: str
+    names: tuple[str, ...]
+    roles: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def role(self) -> str | None:
+        """The role of this worker (`"trainer"` for `trainer3`), or None without roles."""
+        for role, _ in self.roles:
+            if self.name.startswith(role) and self.name[len(role) :].isdigit():
+                return role
+        return None
+
+    def workers(self, role: str | None = None) -> tuple[str, ...]:
+        """All worker names, or those of one role, in rank order."""
+        if role is None:
+            return self.names
+        if role not in dict(self.roles):
+            raise LookupError(
+                f"unknown role {role!r}; this world has roles {[r for r, _ in self.roles]}"
+            )
+        return tuple(n for n in self.names if n[len(role) :].isdigit() and n.startswith(role))
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        from ._world import shutdown
+
+        shutdown(graceful=exc_type is None)
+
+
+def names_for(world_size: int, roles: Mapping[str, int] | None) -> tuple[str, ...]:
+    """Default worker names: `worker{rank}`, or `{role}{i}` in the order roles are given."""
+    if not roles:
+        return tuple(f"worker{r}" for r in range(world_size))
+    for role, count in roles.items():
+        if not role.isidentifier() or not isinstance(count, int) or count < 1:
+            raise ValueError(
+                f"roles must map a name to a positive count, got {role!r}: {count!r}; "
+                f"e.g. roles={{'ps': 1, 'trainer': 4}}"
+            )
+    total = sum(roles.values())
+    if total != world_size:
+        raise WorldSizeMismatchError(
+            f"roles {dict(roles)} add up to {total} workers but world_size is "
+            f"{world_size}; make them agree, or leave world_size out"
+        )
+    return tuple(f"{role}{i}" for role, count in roles.items() for i in range(count))
+
+
+def resolve_world_size(world_size: int | None, roles: Mapping[str, int] | None) -> int | None:
+    """The world size a caller asked for, from `world_size`, `roles`, or both."""
+    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if roles and world_size is None:
+        world_size = sum(roles.values())
+    if world_size is not None:
+        names_for(world_size, roles)
+    return world_size
