@@ -20,7 +20,8 @@ way whichever verb made the call::
     rpc_sync from an RPC thread: refused when it would take the last free one
 
 The reply of `rpc_async` is one `then` on torch's Future plus torch's own
-unwrap hook; nothing else runs per call.
+unwrap hook; `rpc_sync` reads the reply on the waiting thread, with no
+callback at all.
 """
 
 from __future__ import annotations
@@ -217,6 +218,21 @@ def send(
     label: object,
 ) -> Future[Any]:
     """torch's rpc_async after `check`; the reply reads as described in the module doc."""
+    fut = _start(worker, to, func, args, kwargs, seconds, label)
+    reply = fut.then(functools.partial(_settle, worker, label))
+    _torch.set_unwrap(reply, check_reply)
+    return reply
+
+
+def _start(
+    worker: str,
+    to: Target,
+    func: Callable[..., Any],
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    seconds: float,
+    label: object,
+) -> Future[Any]:
     sent, replied = _traced(worker, func)
     sent, args, kwargs = _wrapped(sent, args, kwargs)
     try:
@@ -225,9 +241,7 @@ def send(
         _failures.raise_unsendable(exc, worker, label)
     if replied is not None:
         fut.add_done_callback(replied)
-    reply = fut.then(functools.partial(_settle, worker, label))
-    _torch.set_unwrap(reply, check_reply)
-    return reply  # type: ignore[no-any-return]
+    return fut  # type: ignore[no-any-return]
 
 
 def send_remote(
@@ -259,9 +273,20 @@ def call_sync(
     seconds: float,
     label: object,
 ) -> Any:
-    """`send` and wait for the reply, refusing to block the last free RPC thread."""
+    """`send` and wait for the reply, refusing to block the last free RPC thread.
+
+    The reply is read here, on the waiting thread: no callback runs per call.
+    """
     with _holding_rpc_thread(worker, label):
-        return send(worker, to, func, args, kwargs, seconds, label).wait()
+        fut = _start(worker, to, func, args, kwargs, seconds, label)
+        try:
+            value = fut.wait()
+        except BaseException as exc:
+            named = _failures.name_failure(exc, worker, label)
+            if named is exc:
+                raise
+            raise named from exc
+    return check_reply(value)
 
 
 def _settle(worker: str, label: object, fut: Future[Any]) -> Any:

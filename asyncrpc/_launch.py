@@ -53,34 +53,11 @@ examples:
 def _handler_class() -> type[Any]:
     # torch's rendezvous package loads the `torchrun.handlers` entry points while
     # it initializes, and that entry point is this module: import it lazily.
-    from torch.distributed.elastic.rendezvous import RendezvousInfo
-    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
-    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
-        StaticTCPRendezvous,
+    from . import _torch
+
+    return _torch.bound_static_rendezvous(
+        BACKEND, _rendezvous.host_store, _rendezvous.client_store
     )
-
-    from ._torch import PrefixStore
-
-    class BoundStaticRendezvous(StaticTCPRendezvous):
-        """torch's static rendezvous, with the store bound to the master address only."""
-
-        def get_backend(self) -> str:
-            return BACKEND
-
-        def next_rendezvous(self) -> RendezvousInfo:
-            if self._store is None:
-                seconds = self.timeout.total_seconds()
-                if self.rank == 0:
-                    store = _rendezvous.host_store(self.master_addr, self.master_port, seconds)
-                    self.master_port = store.port
-                else:
-                    store = _rendezvous.client_store(self.master_addr, self.master_port, seconds)
-                self._store = store
-            info = RendezvousStoreInfo(self.master_addr, self.master_port)
-            store_view = PrefixStore(self.run_id, self._store)
-            return RendezvousInfo(store_view, self.rank, self.world_size, info)
-
-    return BoundStaticRendezvous
 
 
 def _create_handler(params: RendezvousParameters) -> RendezvousHandler:

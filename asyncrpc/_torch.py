@@ -41,6 +41,7 @@ __all__ = [
     "agent_timeout",
     "async_target",
     "backend_options",
+    "bound_static_rendezvous",
     "current_agent",
     "failure_kind",
     "install_await",
@@ -197,6 +198,47 @@ def unname_rref_failures() -> None:
     """Put torch's own `RRef.to_here` back."""
     with _await_lock:
         PyRRef.to_here = _to_here  # type: ignore[method-assign]
+
+
+# ---- torchrun's rendezvous -------------------------------------------------------------
+
+
+def bound_static_rendezvous(
+    backend: str,
+    host_store: Callable[[str, int, float], Any],
+    client_store: Callable[[str, int, float], Any],
+) -> type[Any]:
+    """torch's static TCP rendezvous, with the store made by `host_store`/`client_store`.
+
+    It fills torch's private `_store` slot before torch would make its own
+    store (which listens on every interface).
+    """
+    from torch.distributed.elastic.rendezvous import RendezvousInfo
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
+        StaticTCPRendezvous,
+    )
+
+    class BoundStaticRendezvous(StaticTCPRendezvous):
+        """torch's static rendezvous, with the store bound to the master address only."""
+
+        def get_backend(self) -> str:
+            return backend
+
+        def next_rendezvous(self) -> RendezvousInfo:
+            if self._store is None:
+                seconds = self.timeout.total_seconds()
+                if self.rank == 0:
+                    store = host_store(self.master_addr, self.master_port, seconds)
+                    self.master_port = store.port
+                else:
+                    store = client_store(self.master_addr, self.master_port, seconds)
+                self._store = store
+            info = RendezvousStoreInfo(self.master_addr, self.master_port)
+            store_view = PrefixStore(self.run_id, self._store)
+            return RendezvousInfo(store_view, self.rank, self.world_size, info)
+
+    return BoundStaticRendezvous
 
 
 # ---- awaiting torch Futures -----------------------------------------------------------

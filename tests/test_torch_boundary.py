@@ -146,3 +146,18 @@ def test_import_changes_nothing_and_shutdown_puts_back_what_init_changed() -> No
     assert "after import: no __await__" in result.stdout, result.stdout
     assert "during: TP_SOCKET_IFNAME=lo" in result.stdout, result.stdout
     assert "after shutdown: environment and threads as before" in result.stdout, result.stdout
+
+
+def test_the_static_rendezvous_keeps_its_store_where_we_put_it() -> None:
+    made: list[tuple[str, int, float]] = []
+
+    def host(addr: str, port: int, timeout: float) -> object:
+        made.append((addr, port, timeout))
+        return _torch.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    handler_class = _torch.bound_static_rendezvous("asyncrpc", host, host)
+    handler = handler_class("127.0.0.1", 0, 0, 1, "run", 5)
+    assert handler._store is None  # torch's private slot, filled on first use
+    info = handler.next_rendezvous()
+    assert made == [("127.0.0.1", 0, 5.0)] and handler._store is not None
+    assert info.rank == 0 and info.world_size == 1 and handler.get_backend() == "asyncrpc"
