@@ -30,7 +30,7 @@ import difflib
 import functools
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any, TypeAlias, TypeVar, cast, overload
+from typing import Any, NamedTuple, TypeAlias, TypeVar, cast, overload
 
 import torch
 import torch.distributed.rpc as rpc
@@ -43,6 +43,7 @@ from ._futures import check_seconds
 from ._torch import WorkerInfo
 
 __all__ = [
+    "Call",
     "call_sync",
     "check",
     "check_timeout",
@@ -58,6 +59,18 @@ __all__ = [
 T = TypeVar("T")
 Target: TypeAlias = str | int | WorkerInfo
 UNSET_RPC_TIMEOUT = _torch.UNSET_TIMEOUT
+
+
+class Call(NamedTuple):
+    """One checked call: where it goes, what runs there, and how errors name it."""
+
+    worker: str  # the name of `to`
+    to: Target
+    func: Callable[..., Any]
+    args: Sequence[Any] | None
+    kwargs: Mapping[str, Any] | None
+    seconds: float  # the timeout in torch's terms (-1: the world's default)
+    label: object  # the function, or a text such as "Counter.add()"
 
 
 # ---- the public verbs -----------------------------------------------------------------
@@ -92,8 +105,7 @@ def rpc_sync(
 
         total = asyncrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
     """
-    worker, seconds = check("rpc_sync", to, func, args, kwargs, timeout)
-    return call_sync(worker, to, func, args, kwargs, seconds, func)
+    return call_sync(check("rpc_sync", to, func, args, kwargs, timeout))
 
 
 @overload
@@ -126,8 +138,7 @@ def rpc_async(
         fut = asyncrpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
         print(fut.wait())
     """
-    worker, seconds = check("rpc_async", to, func, args, kwargs, timeout)
-    return send(worker, to, func, args, kwargs, seconds, func)
+    return send(check("rpc_async", to, func, args, kwargs, timeout))
 
 
 def remote(
@@ -147,17 +158,22 @@ def remote(
         rref = asyncrpc.remote("worker1", torch.zeros, args=((3,),))
         print(rref.to_here())  # tensor([0., 0., 0.])
     """
-    worker, seconds = check("remote", to, func, args, kwargs, timeout)
-    return send_remote(worker, to, func, args, kwargs, seconds, func)
+    return send_remote(check("remote", to, func, args, kwargs, timeout))
 
 
 # ---- checks ---------------------------------------------------------------------------
 
 
 def check(
-    verb: str, to: object, func: object, args: object, kwargs: object, timeout: float | None
-) -> tuple[str, float]:
-    """Validate one call; return the worker's name and the timeout in torch's terms."""
+    verb: str,
+    to: Any,
+    func: Any,
+    args: Any,
+    kwargs: Any,
+    timeout: float | None,
+    label: object = None,
+) -> Call:
+    """Validate one call before anything is sent; `label` names it in errors (default: func)."""
     world = _world._world or _world.current_world(f"asyncrpc.{verb}")
     worker = _worker_name(verb, to, world.context.names)
     if not callable(func):
@@ -172,7 +188,8 @@ def check(
         )
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"{verb}: kwargs must be a dict, got {type(kwargs).__name__}")
-    return worker, check_timeout(verb, timeout)
+    seconds = check_timeout(verb, timeout)
+    return Call(worker, to, func, args, kwargs, seconds, func if label is None else label)
 
 
 def _worker_name(verb: str, to: object, names: Sequence[str]) -> str:
@@ -208,81 +225,50 @@ def check_timeout(verb: str, timeout: float | None) -> float:
 # ---- sending and reading the reply ----------------------------------------------------
 
 
-def send(
-    worker: str,
-    to: Target,
-    func: Callable[..., Any],
-    args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None,
-    seconds: float,
-    label: object,
-) -> Future[Any]:
-    """torch's rpc_async after `check`; the reply reads as described in the module doc."""
-    fut = _start(worker, to, func, args, kwargs, seconds, label)
-    reply = fut.then(functools.partial(_settle, worker, label))
+def send(call: Call) -> Future[Any]:
+    """torch's rpc_async for a checked call; the reply reads as the module doc says."""
+    fut = _start(call)
+    reply = fut.then(functools.partial(_settle, call.worker, call.label))
     _torch.set_unwrap(reply, check_reply)
     return reply
 
 
-def _start(
-    worker: str,
-    to: Target,
-    func: Callable[..., Any],
-    args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None,
-    seconds: float,
-    label: object,
-) -> Future[Any]:
-    sent, replied = _traced(worker, func)
-    sent, args, kwargs = _wrapped(sent, args, kwargs)
+def _start(call: Call) -> Future[Any]:
+    sent, replied = _traced(call.worker, call.func)
+    sent, args, kwargs = _wrapped(sent, call.args, call.kwargs)
     try:
-        fut = _torch.rpc_async(to, sent, args=args, kwargs=kwargs, timeout=seconds)
+        fut = _torch.rpc_async(call.to, sent, args=args, kwargs=kwargs, timeout=call.seconds)
     except Exception as exc:
-        _failures.raise_unsendable(exc, worker, label)
+        _failures.raise_unsendable(exc, call.worker, call.label)
     if replied is not None:
         fut.add_done_callback(replied)
     return fut  # type: ignore[no-any-return]
 
 
-def send_remote(
-    worker: str,
-    to: Target,
-    func: Callable[..., T],
-    args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None,
-    seconds: float,
-    label: object,
-) -> rpc.RRef[T]:
-    """torch's remote after `check`; the owner keeps the value (or the exception)."""
-    sent, replied = _traced(worker, func)
+def send_remote(call: Call) -> rpc.RRef[Any]:
+    """torch's remote for a checked call; the owner keeps the value (or the exception)."""
+    sent, replied = _traced(call.worker, call.func)
+    args, kwargs, seconds = _tuple(call.args), call.kwargs, call.seconds
     try:
-        rref = _torch.remote(to, sent, args=_tuple(args), kwargs=kwargs, timeout=seconds)
+        rref = _torch.remote(call.to, sent, args=args, kwargs=kwargs, timeout=seconds)
     except Exception as exc:
-        _failures.raise_unsendable(exc, worker, label)
+        _failures.raise_unsendable(exc, call.worker, call.label)
     if replied is not None:
         _torch.rref_future(rref).add_done_callback(replied)
     return rref  # type: ignore[no-any-return]
 
 
-def call_sync(
-    worker: str,
-    to: Target,
-    func: Callable[..., Any],
-    args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None,
-    seconds: float,
-    label: object,
-) -> Any:
+def call_sync(call: Call) -> Any:
     """`send` and wait for the reply, refusing to block the last free RPC thread.
 
     The reply is read here, on the waiting thread: no callback runs per call.
     """
-    with _holding_rpc_thread(worker, label):
-        fut = _start(worker, to, func, args, kwargs, seconds, label)
+    with _holding_rpc_thread(call.worker, call.label):
+        fut = _start(call)
         try:
             value = fut.wait()
         except BaseException as exc:
-            named = _failures.name_failure(exc, worker, label)
+            named = _failures.name_failure(exc, call.worker, call.label)
             if named is exc:
                 raise
             raise named from exc

@@ -131,17 +131,11 @@ class RemoteObject(Generic[T]):
 
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         """Run `obj.method(*args, **kwargs)` on the owner and return the result."""
-        worker, invoker, seconds = self._check(method)
-        call_args = (self.rref, method, args, kwargs)
-        label = self._label(method)
-        return _calls.call_sync(worker, worker, invoker, call_args, None, seconds, label)
+        return _calls.call_sync(self._call(method, args, kwargs))
 
     def call_async(self, method: str, /, *args: Any, **kwargs: Any) -> Future[Any]:
         """Start `obj.method(*args, **kwargs)` on the owner; a Future of the result."""
-        worker, invoker, seconds = self._check(method)
-        call_args = (self.rref, method, args, kwargs)
-        label = self._label(method)
-        return _calls.send(worker, worker, invoker, call_args, None, seconds, label)
+        return _calls.send(self._call(method, args, kwargs))
 
     def call_remote(self, method: str, /, *args: Any, **kwargs: Any) -> rpc.RRef[Any]:
         """Run `obj.method(*args, **kwargs)` on the owner, keep the result there; an RRef.
@@ -149,18 +143,11 @@ class RemoteObject(Generic[T]):
         As with torch's `remote`, the timeout bounds creating the result on the
         owner; bound the wait for the value with `rref.to_here(timeout)`.
         """
-        worker, invoker, seconds = self._check(method)
-        call_args = (self.rref, method, args, kwargs)
-        label = self._label(method)
-        return _calls.send_remote(worker, worker, invoker, call_args, None, seconds, label)
+        return _calls.send_remote(self._call(method, args, kwargs))
 
     def to_here(self) -> T:
         """A copy of the remote object, fetched to this worker."""
-        worker, _, seconds = self._check(None)
-        label = "to_here()"
-        value: T = _calls.call_sync(
-            worker, worker, _local_value, (self.rref,), None, seconds, label
-        )
+        value: T = _calls.call_sync(self._call_on_owner(_local_value, "to_here()"))
         return value
 
     def rpc_sync(self) -> Any:
@@ -175,27 +162,29 @@ class RemoteObject(Generic[T]):
         """torch's RRef proxy: `h.remote().method(*args)` gives an RRef."""
         return self.rref.remote(timeout=self._timeout)
 
-    def _check(self, method: str | None) -> tuple[str, Callable[..., Any], float]:
-        worker = self.owner
-        _calls.check("call", worker, _invoke, None, None, self._timeout)
-        if method is None:
-            return worker, _local_value, self._timeout
+    def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _calls.Call:
+        """One method call, checked, through the same path as rpc_sync."""
+        call_args = (self.rref, method, args, kwargs)
+        label = f"{self.cls.__qualname__ if self.cls else 'object'}.{method}()"
+        return _calls.check("call", self.owner, self._invoker(method), call_args, None,
+                            self._timeout, label)  # fmt: skip
+
+    def _call_on_owner(self, func: Callable[..., Any], label: str) -> _calls.Call:
+        return _calls.check("call", self.owner, func, (self.rref,), None, self._timeout, label)
+
+    def _invoker(self, method: str) -> Callable[..., Any]:
         if not isinstance(method, str):
             raise TypeError(
                 f"the method is named by a string, got {type(method).__name__} {method!r:.60}; "
                 f"write handle.call('name', *args)"
             )
         if self.cls is None:
-            return worker, _invoke_async, self._timeout  # the owner checks and decides
+            return _invoke_async  # the owner checks the name and decides
         attr = getattr(self.cls, method, None)
         if not callable(attr):
             raise AttributeError(_no_method(self.cls, method, attr))
         is_async = _torch.async_target(attr) is not None or inspect.iscoroutinefunction(attr)
-        return worker, (_invoke_async if is_async else _invoke), self._timeout
-
-    def _label(self, method: str) -> str:
-        owner = self.cls.__qualname__ if self.cls is not None else "object"
-        return f"{owner}.{method}()"
+        return _invoke_async if is_async else _invoke
 
     def __repr__(self) -> str:
         what = self.cls.__qualname__ if self.cls is not None else "an object"
@@ -242,11 +231,7 @@ class RemoteModule(RemoteObject[M]):
 
     def parameter_rrefs(self) -> list[rpc.RRef[torch.Tensor]]:
         """RRefs to the module's parameters, for `DistributedOptimizer`."""
-        worker, _, seconds = self._check(None)
-        label = "parameter_rrefs()"
-        return list(
-            _calls.call_sync(worker, worker, _parameter_rrefs, (self.rref,), None, seconds, label)
-        )
+        return list(_calls.call_sync(self._call_on_owner(_parameter_rrefs, "parameter_rrefs()")))
 
 
 @overload
@@ -269,12 +254,12 @@ def spawn(to: _calls.Target, cls: Callable[..., Any], /, *args: Any, **kwargs: A
         net = asyncrpc.spawn("worker1", torch.nn.Linear, 4, 1)
         print(net(torch.ones(2, 4)))
     """
-    worker, seconds = _calls.check("spawn", to, cls, None, None, None)
-    args_sent = (cls, args, kwargs)
-    rref = _calls.send_remote(worker, to, _construct, args_sent, None, seconds, cls)
+    _calls.check("spawn", to, cls, None, None, None)
+    rref = _calls.send_remote(_calls.check("spawn", to, _construct, (cls, args, kwargs), None,
+                                           None, cls))  # fmt: skip
     made = _made_class(cls)
     if made is None:  # a factory: ask the owner what it built (waits for it)
-        made = _calls.call_sync(worker, to, _type_of, (rref,), None, seconds, cls)
+        made = _calls.call_sync(_calls.check("spawn", to, _type_of, (rref,), None, None, cls))
     is_module = made is not None and issubclass(made, torch.nn.Module)
     return (RemoteModule if is_module else RemoteObject)(rref, made)
 

@@ -27,18 +27,22 @@ SUBSET = [
 ]
 
 
+def _run_torch_tests(script: str, names: list[str], marker: str) -> None:
+    pytest.importorskip("expecttest", reason="torch's test helpers need expecttest")
+    argv = [arg for name in names for arg in ("-k", name)]
+    result = run_program("python", script, *argv, timeout=380)
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report[-4000:]
+    assert marker in report
+    ran = re.search(r"Ran (\d+) tests", report)
+    assert ran and int(ran.group(1)) >= len(names), report[-2000:]
+    assert re.search(r"^OK", report, re.MULTILINE), report[-2000:]
+
+
 @pytest.mark.subprocess
 @pytest.mark.timeout(400)
 def test_torch_async_execution_tests_pass_with_our_decorator() -> None:
-    pytest.importorskip("expecttest", reason="torch's test helpers need expecttest")
-    argv = [arg for name in SUBSET for arg in ("-k", name)]
-    result = run_program("python", SCRIPT, *argv, timeout=380)
-    report = result.stdout + result.stderr
-    assert result.returncode == 0, report[-4000:]
-    assert "async_execution under test: asyncrpc._execution" in report
-    ran = re.search(r"Ran (\d+) tests", report)
-    assert ran and int(ran.group(1)) >= len(SUBSET), report[-2000:]
-    assert re.search(r"^OK", report, re.MULTILINE), report[-2000:]
+    _run_torch_tests(SCRIPT, SUBSET, "async_execution under test: asyncrpc._execution")
 
 
 CALLS_SUBSET = [
@@ -54,12 +58,4 @@ CALLS_SUBSET = [
 @pytest.mark.subprocess
 @pytest.mark.timeout(400)
 def test_torch_rpc_tests_pass_with_our_calls() -> None:
-    pytest.importorskip("expecttest", reason="torch's test helpers need expecttest")
-    argv = [arg for name in CALLS_SUBSET for arg in ("-k", name)]
-    result = run_program("python", CALLS_SCRIPT, *argv, timeout=380)
-    report = result.stdout + result.stderr
-    assert result.returncode == 0, report[-4000:]
-    assert "rpc verbs under test: asyncrpc._calls" in report
-    ran = re.search(r"Ran (\d+) tests", report)
-    assert ran and int(ran.group(1)) >= len(CALLS_SUBSET), report[-2000:]
-    assert re.search(r"^OK", report, re.MULTILINE), report[-2000:]
+    _run_torch_tests(CALLS_SCRIPT, CALLS_SUBSET, "rpc verbs under test: asyncrpc._calls")
