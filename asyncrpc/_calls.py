@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import sys
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias, TypeVar, cast, overload
@@ -309,11 +310,16 @@ def _tuple(args: Sequence[Any] | None) -> tuple[Any, ...] | None:
 
 
 def run_python(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run a called function on the callee; an exception becomes the call's value."""
+    """Run a called function on the callee; an exception becomes the call's value.
+
+    As torch does, the callee also writes the error to its stderr.
+    """
     try:
         return func(*args, **kwargs)
     except Exception as exc:
-        return _failures.capture(exc, _world.describe_self(), func)
+        failure = _failures.capture(exc, _world.describe_self(), func)
+        print(failure.msg, file=sys.stderr, flush=True)
+        return failure
 
 
 def run_python_async(
