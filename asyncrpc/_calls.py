@@ -177,6 +177,8 @@ def check(
     """Validate one call before anything is sent; `label` names it in errors (default: func)."""
     world = _world._world or _world.current_world(f"asyncrpc.{verb}")
     worker = _worker_name(verb, to, world.context.names)
+    if world.infos or _torch.agent_running():  # peers may call before the agent is set
+        to = world.info(worker)
     if not callable(func):
         raise TypeError(
             f"{verb}: got a {type(func).__name__} where a callable was expected; pass the "
@@ -238,7 +240,11 @@ def _start(call: Call) -> Future[Any]:
     sent, replied = _traced(call.worker, call.func)
     sent, args, kwargs = _wrapped(sent, call.args, call.kwargs)
     try:
-        fut = _torch.rpc_async(call.to, sent, args=args, kwargs=kwargs, timeout=call.seconds)
+        if kwargs is None and isinstance(call.to, WorkerInfo) and sent in _RUNNERS:
+            is_async = sent is run_python_async
+            fut = _torch.send_python(call.to, sent, args or (), {}, call.seconds, is_async)
+        else:
+            fut = _torch.rpc_async(call.to, sent, args=args, kwargs=kwargs, timeout=call.seconds)
     except Exception as exc:
         _failures.raise_unsendable(exc, call.worker, call.label)
     if replied is not None:
@@ -336,6 +342,7 @@ def run_python_async(
 
 
 _torch.mark_async(run_python_async, run_python_async)
+_RUNNERS = (run_python, run_python_async)
 
 
 def _settle_remote(func: Callable[..., Any], fut: Future[Any]) -> Any:

@@ -24,7 +24,8 @@ import torch.distributed.rpc as rpc
 from torch._C import _distributed_rpc as _rpc_c
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch._C._distributed_rpc import PyRRef, WorkerInfo
-from torch.distributed.rpc.internal import RemoteException
+from torch.distributed.rpc import api as _rpc_api
+from torch.distributed.rpc.internal import PythonUDF, RemoteException
 
 __all__ = [
     "ASYNC_MARK",
@@ -55,6 +56,7 @@ __all__ = [
     "rpc_async",
     "rpc_sync",
     "rref_future",
+    "send_python",
     "set_unwrap",
     "uninstall_await",
     "worker_infos",
@@ -66,6 +68,27 @@ UNSET_TIMEOUT: float = rpc.constants.UNSET_RPC_TIMEOUT
 rpc_async = rpc.rpc_async
 remote = rpc.remote
 rpc_sync = rpc.rpc_sync
+
+
+def send_python(
+    to: WorkerInfo,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    is_async: bool,
+) -> Any:
+    """torch's `rpc_async` of a Python function, less its per-call Python bookkeeping.
+
+    Under an autograd profiler torch's own path runs, since it records RPCs.
+    """
+    if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+        return rpc_async(to, func, args=args, kwargs=kwargs, timeout=timeout)
+    udf = PythonUDF(func, args, kwargs)
+    pickled, tensors = _rpc_api._default_pickler.serialize(udf)  # type: ignore[no-untyped-call]
+    return _rpc_c._invoke_rpc_python_udf(to, pickled, tensors, timeout, is_async)
+
+
 # torch's caller reads this attribute to send a call as async_execution.
 ASYNC_MARK = "_wrapped_async_rpc_function"
 

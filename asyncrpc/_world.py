@@ -32,7 +32,7 @@ from . import _failures, _net, _rendezvous, _torch
 from ._context import Context, Settings, names_for, resolve_world_size
 from ._errors import AsyncRPCError, NotInitializedError, WorldSizeMismatchError
 from ._execution import enable_await
-from ._torch import Store
+from ._torch import Store, WorkerInfo
 
 __all__ = ["Context", "Settings", "current_context", "init", "shutdown", "start"]
 
@@ -49,6 +49,16 @@ class World:
     settings: Settings | None = None
     restore: list[tuple[str, str | None]] = dataclasses.field(default_factory=list)
     intra_op_before: int | None = None
+    # torch's WorkerInfo per name, filled on first use: handing torch a WorkerInfo
+    # spares it a lookup by name on every call.
+    infos: dict[str, WorkerInfo] = dataclasses.field(default_factory=dict)
+
+    def info(self, name: str) -> WorkerInfo:
+        """torch's WorkerInfo of worker `name` (one of `context.names`)."""
+        found = self.infos.get(name)
+        if found is None:
+            found = self.infos[name] = rpc.get_worker_info(name)
+        return found
 
 
 _world: World | None = None

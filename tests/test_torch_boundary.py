@@ -88,6 +88,22 @@ def test_rref_future_and_remote_exception(world: asyncrpc.Context) -> None:
     assert (wire.msg, wire.exception_type) == ("msg", KeyError)
 
 
+def test_send_python_reaches_torchs_udf_entry(world: asyncrpc.Context) -> None:
+    info = rpc.get_worker_info("worker1")
+    assert _torch.send_python(info, plain, (5,), {}, 10.0, False).wait() == 5
+    with pytest.raises(TypeError, match="not a WorkerInfo|incompatible"):
+        _torch.send_python("worker1", plain, (5,), {}, 10.0, False)  # type: ignore[arg-type]
+
+
+def test_world_caches_worker_infos(world: asyncrpc.Context) -> None:
+    from asyncrpc import _world
+
+    current = _world.current_world("test")
+    info = current.info("worker1")
+    assert isinstance(info, _torch.WorkerInfo) and info.name == "worker1"
+    assert current.info("worker1") is info
+
+
 def test_options_store_profiler_and_rendezvous_registry() -> None:
     options = _torch.backend_options(4, 10.0, "env://", ["uv"], ["basic"])
     assert options.num_worker_threads == 4
