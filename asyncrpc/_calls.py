@@ -19,9 +19,10 @@ way whichever verb made the call::
                               SerializationError, naming the worker
     rpc_sync from an RPC thread: refused when it would take the last free one
 
-The reply of `rpc_async` is one `then` on torch's Future plus torch's own
-unwrap hook; `rpc_sync` reads the reply on the waiting thread, with no
-callback at all.
+No callback runs per call: `rpc_async` returns torch's own Future, whose
+value passes torch's unwrap hook (check_reply) and whose failure is named
+when it is read (see asyncrpc/_torch.py, name_future_failures); `rpc_sync`
+reads the reply on the waiting thread.
 """
 
 from __future__ import annotations
@@ -231,9 +232,9 @@ def check_timeout(verb: str, timeout: float | None) -> float:
 def send(call: Call) -> Future[Any]:
     """torch's rpc_async for a checked call; the reply reads as the module doc says."""
     fut = _start(call)
-    reply = fut.then(functools.partial(_settle, call.worker, call.label))
-    _torch.set_unwrap(reply, check_reply)
-    return reply
+    _torch.tag_future(fut, (call.worker, call.label))
+    _torch.set_unwrap(fut, check_reply)
+    return fut
 
 
 def _start(call: Call) -> Future[Any]:
@@ -280,13 +281,6 @@ def call_sync(call: Call) -> Any:
                 raise
             raise named from exc
     return check_reply(value)
-
-
-def _settle(worker: str, label: object, fut: Future[Any]) -> Any:
-    try:
-        return fut.value()
-    except BaseException as exc:  # every outcome must reach the reply
-        return _failures.failure_of(_failures.name_failure(exc, worker, label))
 
 
 def _traced(worker: str, func: Callable[..., Any]) -> tuple[Callable[..., Any], Any]:

@@ -45,6 +45,7 @@ __all__ = [
     "failure_of",
     "label_of",
     "name_failure",
+    "name_future_failure",
     "name_rref_failure",
     "raise_unsendable",
     "revive_remote",
@@ -244,6 +245,11 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
         )
     named.__cause__ = error
     return named
+
+
+def name_future_failure(error: BaseException, sent: tuple[str, object]) -> BaseException:
+    """`name_failure` for a Future's read; `sent` is its tag: (worker, func)."""
+    return name_failure(error, *sent)
 
 
 def name_rref_failure(error: BaseException, owner: str) -> BaseException:

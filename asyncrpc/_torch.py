@@ -6,8 +6,10 @@ here and nowhere else. tests/test_torch_boundary.py checks each item against
 the installed torch, so an upgrade that moves one fails there, by name.
 
     asyncrpc modules ──> _torch ──> torch._C._distributed_rpc (agent, options)
-                                ──> torch._C.Future (_set_unwrap_func, __await__)
-                                ──> RRef._get_future, RemoteException
+                                ──> torch._C.Future (_set_unwrap_func, __await__,
+                                    named reads), torch._C._collect_all
+                                ──> RRef._get_future, RRef.to_here, RemoteException
+                                ──> PythonUDF and its pickler (the direct send)
                                 ──> torch's error texts (timeout, transport, pickle)
 """
 
@@ -16,8 +18,9 @@ from __future__ import annotations
 import functools
 import re
 import threading
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 import torch.distributed.rpc as rpc
@@ -49,6 +52,7 @@ __all__ = [
     "is_builtin",
     "is_rpc_thread",
     "mark_async",
+    "name_future_failures",
     "name_rref_failures",
     "profiler_config",
     "register_rendezvous",
@@ -58,7 +62,9 @@ __all__ = [
     "rref_future",
     "send_python",
     "set_unwrap",
+    "tag_future",
     "uninstall_await",
+    "unname_future_failures",
     "worker_infos",
 ]
 
@@ -221,6 +227,107 @@ def unname_rref_failures() -> None:
     """Put torch's own `RRef.to_here` back."""
     with _await_lock:
         PyRRef.to_here = _to_here  # type: ignore[method-assign]
+
+
+# ---- naming the failures of a Future's reply -------------------------------------------
+
+# A Python done-callback per call cost about 8% of a burst's throughput, so no
+# callback names a failed call: the read does. `tag_future` notes where a
+# Future's call went; torch's `wait`/`value` of a tagged Future pass a
+# RuntimeError through the namer. Two ways of reading hand torch a Future
+# without our tag, and are covered here too:
+#   - a callback (`then`, `add_done_callback`) gets a new Python wrapper when
+#     the caller kept none; the callback keeps the tagged one alive instead;
+#   - `collect_all`/`wait_all` fail with the first member's error, so the
+#     combined Future is tagged with its members.
+_future_wait = FutureType.wait
+_future_value = FutureType.value
+_future_then = FutureType.then
+_future_add_done_callback = FutureType.add_done_callback
+_collect_all = torch._C._collect_all
+_tags: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_Namer: TypeAlias = Callable[[BaseException, Any], BaseException]
+
+
+def tag_future(fut: Any, tag: object) -> None:
+    """Pass `tag` to the namer when reading `fut` raises torch's RuntimeError."""
+    _tags[fut] = tag
+
+
+def name_future_failures(name: _Namer) -> None:
+    """Make reads of tagged torch Futures raise `name(error, tag)` (installed once)."""
+    with _await_lock:
+        if FutureType.__dict__.get("wait") is not _future_wait:
+            return
+        FutureType.wait = _named_read(_future_wait, name)  # type: ignore[method-assign,assignment]
+        FutureType.value = _named_read(_future_value, name)  # type: ignore[method-assign,assignment]
+        FutureType.then = _held(_future_then)  # type: ignore[method-assign]
+        FutureType.add_done_callback = _held(_future_add_done_callback)  # type: ignore[method-assign]
+        torch._C._collect_all = _tagged_collect_all
+
+
+def unname_future_failures() -> None:
+    """Put torch's own Future methods and `collect_all` back."""
+    with _await_lock:
+        FutureType.wait = _future_wait  # type: ignore[method-assign]
+        FutureType.value = _future_value  # type: ignore[method-assign]
+        FutureType.then = _future_then  # type: ignore[method-assign]
+        FutureType.add_done_callback = _future_add_done_callback  # type: ignore[method-assign]
+        torch._C._collect_all = _collect_all
+
+
+def _named_read(read: Callable[[Any], Any], name: _Namer) -> Callable[[Any], Any]:
+    @functools.wraps(read)
+    def named_read(self: Any) -> Any:
+        try:
+            return read(self)
+        except RuntimeError as exc:
+            tag = _tag_of(self, exc)
+            named = exc if tag is None else name(exc, tag)
+            if named is exc:
+                raise
+            raise named from exc
+
+    return named_read
+
+
+def _tag_of(fut: Any, error: BaseException) -> Any:
+    tag = _tags.get(fut)
+    if not isinstance(tag, _Members):
+        return tag
+    for member in tag.futures:  # the member that failed with this very error
+        if member in _tags and member.done():
+            try:
+                _future_wait(member)
+            except RuntimeError as exc:
+                if str(exc) == str(error):
+                    return _tag_of(member, error)
+    return None
+
+
+def _held(add: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(add)
+    def add_callback(self: Any, callback: Callable[[Any], Any]) -> Any:
+        if self in _tags:
+            callback = functools.partial(_call_held, callback, self)
+        return add(self, callback)
+
+    return add_callback
+
+
+def _call_held(callback: Callable[[Any], Any], held: Any, fut: Any) -> Any:
+    return callback(held)
+
+
+class _Members(NamedTuple):
+    futures: list[Any]
+
+
+def _tagged_collect_all(futures: list[Any]) -> Any:
+    combined = _collect_all(futures)
+    if any(fut in _tags for fut in futures):
+        _tags[combined] = _Members(list(futures))
+    return combined
 
 
 # ---- torchrun's rendezvous -------------------------------------------------------------

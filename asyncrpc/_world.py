@@ -107,9 +107,11 @@ def _adopt() -> World:
 
 def _install_hooks() -> None:
     # Installed when asyncrpc first meets a world, never at import: torch Futures
-    # become awaitable, and RRef.to_here names the owner when torch fails.
+    # become awaitable, and RRef.to_here and the reply of a call name the worker
+    # when torch fails.
     enable_await()
     _torch.name_rref_failures(_failures.name_rref_failure)
+    _torch.name_future_failures(_failures.name_future_failure)
 
 
 def current_store() -> Store:

@@ -6,6 +6,7 @@ moves one, a test here fails by name.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -93,6 +94,35 @@ def test_send_python_reaches_torchs_udf_entry(world: asyncrpc.Context) -> None:
     assert _torch.send_python(info, plain, (5,), {}, 10.0, False).wait() == 5
     with pytest.raises(TypeError, match="not a WorkerInfo|incompatible"):
         _torch.send_python("worker1", plain, (5,), {}, 10.0, False)  # type: ignore[arg-type]
+
+
+def test_reads_of_a_sent_future_name_torchs_failure(world: asyncrpc.Context) -> None:
+    def sent() -> torch.futures.Future[float]:
+        return asyncrpc.rpc_async("worker1", sleepy, args=(1.0,), timeout=0.2)
+
+    with pytest.raises(asyncrpc.CallTimeoutError, match="worker1"):
+        sent().wait()
+    with pytest.raises(asyncrpc.CallTimeoutError, match="worker1"):
+        torch.futures.wait_all([asyncrpc.rpc_async("worker1", plain, args=(1,)), sent()])
+    seen: list[BaseException] = []
+    done = threading.Event()
+
+    def record(fut: torch.futures.Future[float]) -> None:
+        try:
+            fut.value()
+        except BaseException as exc:
+            seen.append(exc)
+        done.set()
+
+    sent().add_done_callback(record)  # the caller keeps no wrapper of its own
+    gc.collect()
+    assert done.wait(10)
+    assert isinstance(seen[0], asyncrpc.CallTimeoutError) and "worker1" in str(seen[0])
+    raw = _torch.rpc_async("worker1", sleepy, args=(1.0,), timeout=0.2)
+    with pytest.raises(RuntimeError) as raised:  # torch's own calls stay torch's
+        raw.wait()
+    assert not isinstance(raised.value, asyncrpc.AsyncRPCError)
+    time.sleep(1.0)  # let worker1's sleepers finish before the next test
 
 
 def test_world_caches_worker_infos(world: asyncrpc.Context) -> None:
