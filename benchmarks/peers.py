@@ -1,0 +1,326 @@
+"""asyncrpc against its peers: raw torch.distributed.rpc and Ray actors, one run.
+
+Every row runs each way in turn, round by round, so drift on a shared
+machine hits all of them alike; the figure is the median over rounds, and
+the ratios compare asyncrpc with each peer (for Ray: how many times slower
+Ray is, or how many times more calls/s asyncrpc makes)::
+
+    this script (worker0 of a 3-worker asyncrpc world; Ray's driver too)
+      |-- asyncrpc / torch rpc --> worker1 (echo, Counter) --> worker2 (relay's hop)
+      `-- Ray (local, 127.0.0.1) --> actor B (echo, Counter) --> actor C
+
+Rows: a small call's round trip; a 1 MiB argument; 1000 calls in flight; a
+chained hop A -> B -> C written with async functions (Ray: an async actor
+awaiting another actor); a method call on a remote object; and, each in a
+fresh process, a 3-worker world from start to its first call and back to
+exit (asyncrpc.run, mp.spawn + rpc.init_rpc, ray.init + actors).
+
+Ray is optional: `pip install 'asyncrpc[bench]'` (or `pip install ray`).
+Without it the Ray rows are skipped and the rest run.
+
+    python benchmarks/peers.py [--calls 200] [--rounds 5] [--startups 3] [--no-ray]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import Tensor
+from torch.futures import Future
+
+import asyncrpc
+
+Way = Callable[[], object]
+_IN_FLIGHT = 1000
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def add_one(x: Tensor) -> Tensor:
+    return x + 1
+
+
+@rpc.functions.async_execution
+def torch_relay(x: Tensor) -> Future[Tensor]:
+    return rpc.rpc_async("worker2", add_one, args=(x,))
+
+
+async def relay(x: Tensor) -> Tensor:
+    return await asyncrpc.rpc_async("worker2", add_one, args=(x,))
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.total = 0
+
+    def add(self, n: int) -> int:
+        self.total += n
+        return self.total
+
+
+# ---- the ways of each row -----------------------------------------------------------
+
+
+def _local_ways(small: Tensor, big: Tensor) -> dict[str, dict[str, Way]]:
+    counter = asyncrpc.spawn("worker1", Counter)
+    torch_counter = rpc.remote("worker1", Counter)
+
+    def burst(call: Callable[..., Future[Any]]) -> Way:
+        return lambda: torch.futures.wait_all(
+            [call("worker1", echo, args=(small,)) for _ in range(_IN_FLIGHT)]
+        )
+
+    return {
+        "small call round trip": {
+            "asyncrpc": lambda: asyncrpc.rpc_sync("worker1", echo, args=(small,)),
+            "torch": lambda: rpc.rpc_sync("worker1", echo, args=(small,)),
+        },
+        "1 MiB argument round trip": {
+            "asyncrpc": lambda: asyncrpc.rpc_sync("worker1", echo, args=(big,)),
+            "torch": lambda: rpc.rpc_sync("worker1", echo, args=(big,)),
+        },
+        f"{_IN_FLIGHT} calls in flight": {
+            "asyncrpc": burst(asyncrpc.rpc_async),
+            "torch": burst(rpc.rpc_async),
+        },
+        "chained hop A -> B -> C (async)": {
+            "asyncrpc": lambda: asyncrpc.rpc_sync("worker1", relay, args=(small,)),
+            "torch": lambda: rpc.rpc_sync("worker1", torch_relay, args=(small,)),
+        },
+        "method call on a remote object": {
+            "asyncrpc": lambda: counter.call("add", 1),
+            "torch": lambda: torch_counter.rpc_sync().add(1),
+        },
+    }
+
+
+def _ray_ways(small: Tensor, big: Tensor) -> dict[str, dict[str, Way]]:
+    import ray
+
+    @ray.remote
+    class Echo:
+        def echo(self, x: Any) -> Any:
+            return x
+
+        def add_one(self, x: Tensor) -> Tensor:
+            return x + 1
+
+    @ray.remote
+    class Relay:
+        def __init__(self, to: Any) -> None:
+            self.to = to
+
+        async def relay(self, x: Tensor) -> Tensor:
+            return await self.to.add_one.remote(x)  # type: ignore[no-any-return]
+
+    b, c = Echo.remote(), Echo.remote()  # type: ignore[attr-defined]
+    relay_b = Relay.remote(c)  # type: ignore[attr-defined]
+    counter = ray.remote(Counter).remote()
+    ray.get([b.echo.remote(0), c.echo.remote(0), relay_b.relay.remote(small)])
+    return {
+        "small call round trip": {"ray": lambda: ray.get(b.echo.remote(small))},
+        "1 MiB argument round trip": {"ray": lambda: ray.get(b.echo.remote(big))},
+        f"{_IN_FLIGHT} calls in flight": {
+            "ray": lambda: ray.get([b.echo.remote(small) for _ in range(_IN_FLIGHT)])
+        },
+        "chained hop A -> B -> C (async)": {"ray": lambda: ray.get(relay_b.relay.remote(small))},
+        "method call on a remote object": {"ray": lambda: ray.get(counter.add.remote(1))},
+    }
+
+
+def _start_ray() -> bool:
+    try:
+        import ray
+    except ImportError:
+        print("Ray rows skipped: Ray is not installed (pip install 'asyncrpc[bench]')")
+        return False
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+        configure_logging=False,
+    )
+    return True
+
+
+# ---- measuring ----------------------------------------------------------------------
+
+
+def _measure(rows: dict[str, dict[str, Way]], calls: int, rounds: int) -> dict[str, Any]:
+    """Median seconds per call of every way of every row, ways alternated round by round."""
+    out: dict[str, dict[str, float]] = {}
+    for row, ways in rows.items():
+        n = max(1, calls // 20) if "in flight" in row else calls
+        for way in ways.values():
+            way()  # warm-up: first-call costs (connections, actor start) stay out
+        samples: dict[str, list[float]] = {name: [] for name in ways}
+        for r in range(rounds):
+            order = list(ways.items())
+            for name, way in order[r % len(order) :] + order[: r % len(order)]:
+                start = time.perf_counter()
+                for _ in range(n):
+                    way()
+                samples[name].append((time.perf_counter() - start) / n)
+        out[row] = {name: statistics.median(s) for name, s in samples.items()}
+    return out
+
+
+def main(ctx: asyncrpc.Context, opts: argparse.Namespace) -> None:
+    if ctx.rank != 0:
+        return
+    small, big = torch.ones(16), torch.ones(256 * 1024)  # 64 B and 1 MiB of float32
+    rows = _local_ways(small, big)
+    if not opts.no_ray and _start_ray():
+        for row, ways in _ray_ways(small, big).items():
+            rows[row].update(ways)
+    with open(opts.results, "w") as f:
+        json.dump(_measure(rows, opts.calls, opts.rounds), f)
+
+
+# ---- start-up and shutdown, each in a fresh process ----------------------------------
+
+
+def _probe_asyncrpc() -> None:
+    def first_call(ctx: asyncrpc.Context) -> None:
+        if ctx.rank == 0:
+            asyncrpc.rpc_sync("worker1", echo, args=(1,))
+            print(f"FIRST {time.time()}", flush=True)
+
+    asyncrpc.run(first_call, 3)
+
+
+def _torch_worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=options)
+    if rank == 0:
+        rpc.rpc_sync("worker1", echo, args=(1,))
+        print(f"FIRST {time.time()}", flush=True)
+    rpc.shutdown()
+
+
+def _probe_torch() -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_torch_worker, args=(port,), nprocs=3)
+
+
+def _probe_ray() -> None:
+    import ray
+
+    _start_ray()
+    actors = [ray.remote(Counter).remote() for _ in range(2)]
+    ray.get(actors[0].add.remote(1))
+    print(f"FIRST {time.time()}", flush=True)
+    ray.shutdown()
+
+
+_PROBES = {"asyncrpc": _probe_asyncrpc, "torch": _probe_torch, "ray": _probe_ray}
+
+
+def _time_startups(ways: list[str], rounds: int) -> dict[str, dict[str, float]]:
+    """Seconds from the start call to the first call, and to the end, per way (medians)."""
+    first: dict[str, list[float]] = {w: [] for w in ways}
+    total: dict[str, list[float]] = {w: [] for w in ways}
+    for r in range(rounds):
+        for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
+            out = subprocess.run(
+                [sys.executable, __file__, "--probe", way],
+                capture_output=True, text=True, timeout=120, check=True,
+            ).stdout  # fmt: skip
+            stamps = {k: float(v) for k, v in (line.split() for line in out.splitlines()
+                                               if line.split()[:1] in (["START"], ["FIRST"], ["END"]))}  # fmt: skip
+            first[way].append(stamps["FIRST"] - stamps["START"])
+            total[way].append(stamps["END"] - stamps["START"])
+    return {
+        "world start-up to first call": {w: statistics.median(first[w]) for w in ways},
+        "start-up, first call and shutdown": {w: statistics.median(total[w]) for w in ways},
+    }
+
+
+# ---- the report -----------------------------------------------------------------------
+
+
+def _report(results: dict[str, dict[str, float]]) -> None:
+    print(f"{'row':<36}{'asyncrpc':>12}{'torch':>12}{'Ray':>12}{'vs torch':>10}{'Ray/ours':>10}")
+    for row, ways in results.items():
+        rate = "in flight" in row
+        cells = []
+        for way in ("asyncrpc", "torch", "ray"):
+            s = ways.get(way)
+            cells.append("-" if s is None else f"{1 / s:.0f}/s" if rate else _seconds(s))
+        ours = ways["asyncrpc"]
+        vs_torch = f"{ours / ways['torch']:.2f}x"
+        vs_ray = f"{ways['ray'] / ours:.1f}x" if "ray" in ways else "-"
+        print(f"{row:<36}{cells[0]:>12}{cells[1]:>12}{cells[2]:>12}{vs_torch:>10}{vs_ray:>10}")
+    print("vs torch: asyncrpc's time / torch's (<= 1 is as fast); Ray/ours: Ray's time / "
+          "asyncrpc's (for calls in flight: asyncrpc's calls/s over Ray's)")  # fmt: skip
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200, help="calls per way per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--startups", type=int, default=3, help="start-up rounds (0: none)")
+    parser.add_argument("--no-ray", action="store_true", help="leave Ray out")
+    parser.add_argument("--probe", choices=sorted(_PROBES), help=argparse.SUPPRESS)
+    parser.add_argument("--results", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def _has_ray() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _probe(way: str) -> None:
+    print(f"START {time.time()}", flush=True)
+    _PROBES[way]()
+    print(f"END {time.time()}", flush=True)
+
+
+def _run(opts: argparse.Namespace) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        opts.results = os.path.join(folder, "results.json")
+        asyncrpc.run(main, 3, args=(opts,))
+        with open(opts.results) as f:
+            results = json.load(f)
+    if opts.startups:
+        ways = ["asyncrpc", "torch"] + (["ray"] if _has_ray() and not opts.no_ray else [])
+        results.update(_time_startups(ways, opts.startups))
+    _report(results)
+
+
+if __name__ == "__main__":
+    options = _parse()
+    if options.probe:
+        _probe(options.probe)
+    else:
+        _run(options)
