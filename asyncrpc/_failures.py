@@ -237,6 +237,12 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
             f"cannot import ({first}); make that module importable on both the caller and "
             f"{worker!r}"
         )
+    elif "'coroutine'" in first:
+        named = SerializationError(
+            f"{label_of(func)} on {worker!r} is an `async def` function, so calling it made a "
+            f"coroutine that cannot be sent back ({first}); decorate it with "
+            f"@asyncrpc.async_execution so the worker runs it"
+        )
     else:
         named = SerializationError(
             f"the result of {label_of(func)} on {worker!r}, or something it raised, could not "

@@ -57,6 +57,7 @@ def torch_relay(x: Tensor) -> Future[Tensor]:
     return rpc.rpc_async("worker2", add_one, args=(x,))
 
 
+@asyncrpc.async_execution
 async def relay(x: Tensor) -> Tensor:
     return await asyncrpc.rpc_async("worker2", add_one, args=(x,))
 
@@ -125,9 +126,18 @@ def _ray_ways(small: Tensor, big: Tensor) -> dict[str, dict[str, Way]]:
         async def relay(self, x: Tensor) -> Tensor:
             return await self.to.add_one.remote(x)  # type: ignore[no-any-return]
 
+    @ray.remote
+    class RayCounter:  # Counter's twin, defined here so that Ray ships it by value
+        def __init__(self) -> None:
+            self.total = 0
+
+        def add(self, n: int) -> int:
+            self.total += n
+            return self.total
+
     b, c = Echo.remote(), Echo.remote()  # type: ignore[attr-defined]
     relay_b = Relay.remote(c)  # type: ignore[attr-defined]
-    counter = ray.remote(Counter).remote()
+    counter = RayCounter.remote()  # type: ignore[attr-defined]
     ray.get([b.echo.remote(0), c.echo.remote(0), relay_b.relay.remote(small)])
     return {
         "small call round trip": {"ray": lambda: ray.get(b.echo.remote(small))},
@@ -193,13 +203,14 @@ def main(ctx: asyncrpc.Context, opts: argparse.Namespace) -> None:
 # ---- start-up and shutdown, each in a fresh process ----------------------------------
 
 
-def _probe_asyncrpc() -> None:
-    def first_call(ctx: asyncrpc.Context) -> None:
-        if ctx.rank == 0:
-            asyncrpc.rpc_sync("worker1", echo, args=(1,))
-            print(f"FIRST {time.time()}", flush=True)
+def _first_call(ctx: asyncrpc.Context) -> None:
+    if ctx.rank == 0:
+        asyncrpc.rpc_sync("worker1", echo, args=(1,))
+        print(f"FIRST {time.time()}", flush=True)
 
-    asyncrpc.run(first_call, 3)
+
+def _probe_asyncrpc() -> None:
+    asyncrpc.run(_first_call, 3)
 
 
 def _torch_worker(rank: int, port: int) -> None:
@@ -227,8 +238,8 @@ def _probe_ray() -> None:
     import ray
 
     _start_ray()
-    actors = [ray.remote(Counter).remote() for _ in range(2)]
-    ray.get(actors[0].add.remote(1))
+    ways = _ray_ways(torch.ones(16), torch.ones(16))  # starts 4 actors, calls each
+    ways["method call on a remote object"]["ray"]()
     print(f"FIRST {time.time()}", flush=True)
     ray.shutdown()
 
@@ -242,10 +253,13 @@ def _time_startups(ways: list[str], rounds: int) -> dict[str, dict[str, float]]:
     total: dict[str, list[float]] = {w: [] for w in ways}
     for r in range(rounds):
         for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
-            out = subprocess.run(
+            done = subprocess.run(
                 [sys.executable, __file__, "--probe", way],
-                capture_output=True, text=True, timeout=120, check=True,
-            ).stdout  # fmt: skip
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            if done.returncode != 0:
+                sys.exit(f"the {way} start-up probe failed:\n{done.stderr[-3000:]}")
+            out = done.stdout
             stamps = {k: float(v) for k, v in (line.split() for line in out.splitlines()
                                                if line.split()[:1] in (["START"], ["FIRST"], ["END"]))}  # fmt: skip
             first[way].append(stamps["FIRST"] - stamps["START"])
@@ -266,7 +280,7 @@ def _report(results: dict[str, dict[str, float]]) -> None:
         cells = []
         for way in ("asyncrpc", "torch", "ray"):
             s = ways.get(way)
-            cells.append("-" if s is None else f"{1 / s:.0f}/s" if rate else _seconds(s))
+            cells.append("-" if s is None else f"{_IN_FLIGHT / s:.0f}/s" if rate else _seconds(s))
         ours = ways["asyncrpc"]
         vs_torch = f"{ours / ways['torch']:.2f}x"
         vs_ray = f"{ways['ray'] / ours:.1f}x" if "ray" in ways else "-"

@@ -82,3 +82,20 @@ def test_calls_outside_a_world(case: str, pattern: str) -> None:
     done = run_program("python", str(PROGRAMS / "misuse.py"), case, timeout=60)
     assert done.returncode == 3, done.stderr
     assert pattern in done.stdout
+
+
+async def undecorated(x: int) -> int:
+    return x
+
+
+@asyncrpc.async_execution
+async def decorated(x: int) -> int:
+    return x
+
+
+def test_an_undecorated_async_function_says_to_decorate_it(world: asyncrpc.Context) -> None:
+    with pytest.raises(asyncrpc.SerializationError, match="@asyncrpc.async_execution"):
+        asyncrpc.rpc_sync("worker1", undecorated, args=(1,))
+    with pytest.raises(asyncrpc.SerializationError, match="@asyncrpc.async_execution"):
+        asyncrpc.rpc_async("worker1", undecorated, args=(1,)).wait()
+    assert asyncrpc.rpc_sync("worker1", decorated, args=(1,)) == 1
