@@ -12,6 +12,7 @@ Example::
         asyncrpc.run(main, world_size=2)
 """
 
+from ._batch import Batch
 from ._calls import remote, rpc_async, rpc_sync
 from ._ensemble import Ensemble
 from ._errors import (
@@ -53,6 +54,7 @@ __version__ = "0.1.0"
 __all__ = (
     "AsyncRPCError",
     "AwaitedNonFutureError",
+    "Batch",
     "CallTimeoutError",
     "Context",
     "DuplicateNameError",

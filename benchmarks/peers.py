@@ -9,7 +9,8 @@ Ray is, or how many times more calls/s asyncrpc makes)::
       |-- asyncrpc / torch rpc --> worker1 (echo, Counter) --> worker2 (relay's hop)
       `-- Ray (local, 127.0.0.1) --> actor B (echo, Counter) --> actor C
 
-Rows: a small call's round trip; a 1 MiB argument; 1000 calls in flight; a
+Rows: a small call's round trip; a 1 MiB argument; 1000 calls in flight (one
+by one, and coalesced by `asyncrpc.Batch` into one message); a
 chained hop A -> B -> C written with async functions (Ray: an async actor
 awaiting another actor); a method call on a remote object; and, each in a
 fresh process, a 3-worker world from start to its first call and back to
@@ -83,6 +84,11 @@ def _local_ways(small: Tensor, big: Tensor) -> dict[str, dict[str, Way]]:
             [call("worker1", echo, args=(small,)) for _ in range(_IN_FLIGHT)]
         )
 
+    def batched() -> object:
+        with asyncrpc.Batch() as batch:
+            futs = [batch.rpc_async("worker1", echo, args=(small,)) for _ in range(_IN_FLIGHT)]
+        return torch.futures.wait_all(futs)
+
     return {
         "small call round trip": {
             "asyncrpc": lambda: asyncrpc.rpc_sync("worker1", echo, args=(small,)),
@@ -94,6 +100,10 @@ def _local_ways(small: Tensor, big: Tensor) -> dict[str, dict[str, Way]]:
         },
         f"{_IN_FLIGHT} calls in flight": {
             "asyncrpc": burst(asyncrpc.rpc_async),
+            "torch": burst(rpc.rpc_async),
+        },
+        f"{_IN_FLIGHT} calls in flight, in one Batch": {
+            "asyncrpc": batched,
             "torch": burst(rpc.rpc_async),
         },
         "chained hop A -> B -> C (async)": {
@@ -260,8 +270,7 @@ def _time_startups(ways: list[str], rounds: int) -> dict[str, dict[str, float]]:
             if done.returncode != 0:
                 sys.exit(f"the {way} start-up probe failed:\n{done.stderr[-3000:]}")
             out = done.stdout
-            stamps = {k: float(v) for k, v in (line.split() for line in out.splitlines()
-                                               if line.split()[:1] in (["START"], ["FIRST"], ["END"]))}  # fmt: skip
+            stamps = dict(s for s in map(_stamp, out.splitlines()) if s is not None)
             first[way].append(stamps["FIRST"] - stamps["START"])
             total[way].append(stamps["END"] - stamps["START"])
     return {
@@ -270,11 +279,18 @@ def _time_startups(ways: list[str], rounds: int) -> dict[str, dict[str, float]]:
     }
 
 
+def _stamp(line: str) -> tuple[str, float] | None:
+    words = line.split()
+    if len(words) == 2 and words[0] in ("START", "FIRST", "END"):
+        return words[0], float(words[1])
+    return None
+
+
 # ---- the report -----------------------------------------------------------------------
 
 
 def _report(results: dict[str, dict[str, float]]) -> None:
-    print(f"{'row':<36}{'asyncrpc':>12}{'torch':>12}{'Ray':>12}{'vs torch':>10}{'Ray/ours':>10}")
+    print(f"{'row':<40}{'asyncrpc':>12}{'torch':>12}{'Ray':>12}{'vs torch':>10}{'Ray/ours':>10}")
     for row, ways in results.items():
         rate = "in flight" in row
         cells = []
@@ -284,7 +300,7 @@ def _report(results: dict[str, dict[str, float]]) -> None:
         ours = ways["asyncrpc"]
         vs_torch = f"{ours / ways['torch']:.2f}x"
         vs_ray = f"{ways['ray'] / ours:.1f}x" if "ray" in ways else "-"
-        print(f"{row:<36}{cells[0]:>12}{cells[1]:>12}{cells[2]:>12}{vs_torch:>10}{vs_ray:>10}")
+        print(f"{row:<40}{cells[0]:>12}{cells[1]:>12}{cells[2]:>12}{vs_torch:>10}{vs_ray:>10}")
     print("vs torch: asyncrpc's time / torch's (<= 1 is as fast); Ray/ours: Ray's time / "
           "asyncrpc's (for calls in flight: asyncrpc's calls/s over Ray's)")  # fmt: skip
 

@@ -47,6 +47,11 @@ def main(ctx: asyncrpc.Context) -> None:
         print("with_timeout:", exc)
     asyncrpc.gather([*replicas, slow]).wait()
 
+    # Batch: 100 small calls to worker1 in one message, each with its own Future.
+    with asyncrpc.Batch() as batch:
+        sums = [batch.rpc_async("worker1", slow_add, args=(x, i, 0.0)) for i in range(100)]
+    print("Batch:", sum(float(t.sum()) for t in torch.futures.wait_all(sums)))
+
 
 if __name__ == "__main__":
     asyncrpc.run(main, world_size=3)

@@ -94,8 +94,8 @@ async def decorated(x: int) -> int:
 
 
 def test_an_undecorated_async_function_says_to_decorate_it(world: asyncrpc.Context) -> None:
-    with pytest.raises(asyncrpc.SerializationError, match="@asyncrpc.async_execution"):
+    with pytest.raises(asyncrpc.SerializationError, match=r"@asyncrpc\.async_execution"):
         asyncrpc.rpc_sync("worker1", undecorated, args=(1,))
-    with pytest.raises(asyncrpc.SerializationError, match="@asyncrpc.async_execution"):
+    with pytest.raises(asyncrpc.SerializationError, match=r"@asyncrpc\.async_execution"):
         asyncrpc.rpc_async("worker1", undecorated, args=(1,)).wait()
     assert asyncrpc.rpc_sync("worker1", decorated, args=(1,)) == 1

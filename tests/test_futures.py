@@ -200,4 +200,5 @@ def test_futures_tour_example_prints_its_results() -> None:
         "gather: [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]",
         "wait_first: tensor([21., 21.])",
         "with_timeout: the Future did not complete within 0.1 s",
+        "Batch: 10100.0",
     ]

@@ -92,7 +92,7 @@ def test_rref_future_and_remote_exception(world: asyncrpc.Context) -> None:
 def test_send_python_reaches_torchs_udf_entry(world: asyncrpc.Context) -> None:
     info = rpc.get_worker_info("worker1")
     assert _torch.send_python(info, plain, (5,), {}, 10.0, False).wait() == 5
-    with pytest.raises(TypeError, match="not a WorkerInfo|incompatible"):
+    with pytest.raises(TypeError, match=r"not a WorkerInfo|incompatible"):
         _torch.send_python("worker1", plain, (5,), {}, 10.0, False)  # type: ignore[arg-type]
 
 

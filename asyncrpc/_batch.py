@@ -1,0 +1,160 @@
+"""`Batch`: many small calls to one worker, sent as one message.
+
+Each call costs one message and one reply, whatever it carries; for tiny
+calls that per-message cost is nearly all of it. A Batch collects calls and
+sends, per worker, one call of `run_batch` carrying them all; the callee runs
+them in order and returns one outcome per call, which the caller hands to
+each call's own Future::
+
+    caller                                           callee (worker1)
+    batch.rpc_async("worker1", f, args=(1,)) -> fut0
+    batch.rpc_async("worker1", g, args=(2,)) -> fut1
+    batch.send()  (or leaving `with`)
+      one call through the one call path ──────────> run_batch([(f, (1,)), (g, (2,))])
+                                                       f(1) -> value
+                                                       g(2) raises -> Failure
+    reply [value, Failure] <────────────────────────
+      fut0 <- value; fut1 <- g's exception (its own type, RemoteError)
+    a failed message (dead worker, timeout) fails every call's Future, named
+
+Each call is checked as `rpc_async` checks it, before anything is sent.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.futures import Future
+
+from . import _calls, _torch
+from ._failures import Failure, TorchFailure
+
+__all__ = ["Batch", "run_batch"]
+
+_Entry = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+class Batch:
+    """Collect calls, then send them as one message per worker.
+
+    Calls that return at once (small pure functions, getters) gain the most:
+    1000 calls in one Batch take a few messages' time instead of 1000. Each
+    call keeps its own result and error; a lost worker or a timeout fails
+    every call of its message. `timeout` bounds each message, as torch's
+    `timeout` bounds a call (-1: the world's default).
+
+    Example::
+
+        with asyncrpc.Batch() as batch:
+            futs = [batch.rpc_async("worker1", torch.add, args=(x, i)) for i in range(1000)]
+        values = torch.futures.wait_all(futs)
+    """
+
+    def __init__(self, timeout: float = _calls.UNSET_RPC_TIMEOUT) -> None:
+        self._timeout = _calls.check_timeout("Batch", timeout)
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[tuple[_Entry, Future[Any]]]] = {}
+
+    def rpc_async(
+        self,
+        to: Any,
+        func: Callable[..., Any],
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Future[Any]:
+        """Add `func(*args, **kwargs)` on worker `to`; a Future of its result, set once sent."""
+        call = _calls.check("Batch.rpc_async", to, func, args, kwargs, self._timeout)
+        fut: Future[Any] = Future()
+        entry = (call.func, tuple(call.args or ()), dict(call.kwargs or {}))
+        with self._lock:
+            self._pending.setdefault(call.worker, []).append((entry, fut))
+        return fut
+
+    def send(self) -> None:
+        """Send what was added, one message per worker; a Batch can be filled and sent again."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for worker, items in pending.items():
+            label = f"a Batch of {len(items)} calls"
+            call = _calls.check("Batch.send", worker, run_batch, ([e for e, _ in items],), None,
+                                self._timeout, label)  # fmt: skip
+            try:
+                reply = _calls.send(call)
+            except BaseException as exc:
+                _fail_all(items, exc)
+                raise
+            reply.add_done_callback(lambda r, items=items: _hand_out(r, items))  # type: ignore[misc]
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if error is None:
+            self.send()
+            return
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        unsent = RuntimeError("this call was not sent: the `with asyncrpc.Batch()` block raised")
+        unsent.__cause__ = error
+        for items in pending.values():
+            _fail_all(items, unsent)
+
+
+def _hand_out(reply: Future[Any], items: list[tuple[_Entry, Future[Any]]]) -> None:
+    try:
+        outcomes = reply.value()
+    except BaseException as exc:  # the message failed: every call in it did
+        _fail_all(items, exc)
+        return
+    for (_, fut), outcome in zip(items, outcomes, strict=True):
+        if type(outcome) is Failure or type(outcome) is TorchFailure:
+            fut.set_exception(outcome.error)
+        else:
+            fut.set_result(outcome)
+
+
+def _fail_all(items: list[tuple[_Entry, Future[Any]]], error: BaseException) -> None:
+    for _, fut in items:
+        if not fut.done():
+            fut.set_exception(error)
+
+
+# ---- the callee's side ----------------------------------------------------------------
+
+
+def run_batch(entries: list[_Entry]) -> Future[list[Any]]:
+    """Run each call in order on the callee; one outcome per call (a Failure for an error).
+
+    async_execution functions run as they do alone; the reply waits for their Futures.
+    """
+    outcomes: list[Any] = []
+    waiting: list[int] = []
+    for func, args, kwargs in entries:
+        if _torch.async_target(func) is not None:
+            waiting.append(len(outcomes))
+            outcomes.append(_calls.run_python_async(func, args, kwargs))
+        else:
+            outcomes.append(_calls.run_python(func, args, kwargs))
+    done: Future[list[Any]] = Future()
+    if not waiting:
+        done.set_result(outcomes)
+        return done
+
+    def fill(_: object) -> list[Any]:
+        for i in waiting:
+            outcomes[i] = outcomes[i].wait()
+        return outcomes
+
+    return torch.futures.collect_all([outcomes[i] for i in waiting]).then(fill)
+
+
+_torch.mark_async(run_batch, run_batch)

@@ -1,0 +1,87 @@
+"""asyncrpc.Batch: many calls in one message, each with its own result and error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.futures import Future
+
+import asyncrpc
+
+
+def double(x: int) -> int:
+    return 2 * x
+
+
+def lookup(key: str) -> int:
+    return {"a": 1}[key]
+
+
+def nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+@asyncrpc.async_execution
+async def relayed(x: int) -> int:
+    return await asyncrpc.rpc_async("worker2", double, args=(x,)) + 1
+
+
+def test_each_call_gets_its_own_result_in_order(world: asyncrpc.Context) -> None:
+    x = torch.ones(2)
+    with asyncrpc.Batch() as batch:
+        doubled = [batch.rpc_async("worker1", double, args=(i,)) for i in range(300)]
+        added = batch.rpc_async("worker2", torch.add, args=(x, 1))
+        relay = batch.rpc_async("worker1", relayed, kwargs={"x": 5})
+        assert not doubled[0].done()  # nothing leaves before send
+    assert torch.futures.wait_all(doubled) == [2 * i for i in range(300)]
+    assert torch.equal(added.wait(), x + 1)
+    assert relay.wait() == 11
+
+
+def test_a_remote_error_fails_only_its_own_call(world: asyncrpc.Context) -> None:
+    batch = asyncrpc.Batch()
+    ok, bad = (
+        batch.rpc_async("worker1", lookup, args=("a",)),
+        batch.rpc_async("worker1", lookup, args=("b",)),
+    )
+    batch.send()
+    assert ok.wait() == 1
+    with pytest.raises(KeyError) as raised:
+        bad.wait()
+    assert isinstance(raised.value, asyncrpc.RemoteError)
+    assert "worker1" in str(raised.value)
+
+
+def test_calls_are_checked_as_they_are_added(world: asyncrpc.Context) -> None:
+    batch = asyncrpc.Batch()
+    with pytest.raises(asyncrpc.UnknownWorkerError, match="worker9"):
+        batch.rpc_async("worker9", double, args=(1,))
+    with pytest.raises(TypeError, match="callable"):
+        batch.rpc_async("worker1", double(1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        batch.rpc_async("worker1", double, args=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        asyncrpc.Batch(timeout=-5)
+
+
+def test_a_timed_out_message_fails_every_call_named(world: asyncrpc.Context) -> None:
+    batch = asyncrpc.Batch(timeout=0.3)
+    futs: list[Future[float]] = [batch.rpc_async("worker2", nap, args=(0.5,)) for _ in range(2)]
+    batch.send()
+    for fut in futs:
+        with pytest.raises(asyncrpc.CallTimeoutError, match="worker2") as raised:
+            fut.wait()
+        assert isinstance(raised.value, RuntimeError)
+    time.sleep(1.0)  # let worker2 finish napping before the next test
+
+
+def test_a_block_that_raises_sends_nothing(world: asyncrpc.Context) -> None:
+    with pytest.raises(ZeroDivisionError):
+        with asyncrpc.Batch() as batch:
+            fut = batch.rpc_async("worker1", double, args=(1,))
+            1 / 0  # noqa: B018
+    with pytest.raises(RuntimeError, match="not sent"):
+        fut.wait()

@@ -1,0 +1,59 @@
+"""Every benchmark runs, at a small size, and prints its rows: none can rot unnoticed.
+
+The figures themselves are not checked here (timings on shared machines swing):
+the benchmarks print ratios measured side by side, and the README quotes them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import ROOT, run_program
+
+# script, its small-size arguments, and the rows its report must hold
+CASES = {
+    "call_overhead": (
+        ["--calls", "100", "--rounds", "1"],
+        ["rpc_sync", "rpc_async x 100, wait_all"],
+    ),
+    "async_execution": (
+        ["--calls", "20", "--rounds", "1", "--nested", "40", "--work-ms", "0"],
+        ["1. chained add call path", "2. then-chain vs async def"],
+    ),
+    "parameter_server": (
+        ["--trainers", "2", "--rounds", "5", "--repeats", "1"],
+        ["batched / immediate updates/s"],
+    ),
+    "ensemble": (
+        ["--rounds", "1", "--sizes", "small"],
+        ["| small | serial |", "| small | threads |", "| small | spread over 2 workers |"],
+    ),
+    "peers": (
+        ["--calls", "3", "--rounds", "1", "--startups", "1", "--no-ray"],
+        [
+            "small call round trip",
+            "1 MiB argument round trip",
+            "1000 calls in flight",
+            "1000 calls in flight, in one Batch",
+            "chained hop A -> B -> C (async)",
+            "method call on a remote object",
+            "world start-up to first call",
+            "start-up, first call and shutdown",
+        ],
+    ),
+}
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_runs_small_and_prints_its_ratios(name: str) -> None:
+    args, rows = CASES[name]
+    result = run_program("python", str(ROOT / "benchmarks" / f"{name}.py"), *args, timeout=140)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for row in rows:
+        line = next((ln for ln in result.stdout.splitlines() if row in ln), None)
+        assert line is not None, f"no {row!r} row in:\n{result.stdout}"
+        assert re.search(r"\d+\.\d+x", line), f"no ratio in {line!r}"
