@@ -31,7 +31,8 @@ import torch
 from torch.futures import Future
 
 from . import _calls, _torch
-from ._failures import Failure, TorchFailure
+from ._failures import check_reply
+from ._futures import completed
 
 __all__ = ["Batch", "run_batch"]
 
@@ -76,9 +77,7 @@ class Batch:
 
     def send(self) -> None:
         """Send what was added, one message per worker; a Batch can be filled and sent again."""
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        for worker, items in pending.items():
+        for worker, items in self._take().items():
             label = f"a Batch of {len(items)} calls"
             call = _calls.check("Batch.send", worker, run_batch, ([e for e, _ in items],), None,
                                 self._timeout, label)  # fmt: skip
@@ -101,12 +100,15 @@ class Batch:
         if error is None:
             self.send()
             return
-        with self._lock:
-            pending, self._pending = self._pending, {}
         unsent = RuntimeError("this call was not sent: the `with asyncrpc.Batch()` block raised")
         unsent.__cause__ = error
-        for items in pending.values():
+        for items in self._take().values():
             _fail_all(items, unsent)
+
+    def _take(self) -> dict[str, list[tuple[_Entry, Future[Any]]]]:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        return pending
 
 
 def _hand_out(reply: Future[Any], items: list[tuple[_Entry, Future[Any]]]) -> None:
@@ -116,10 +118,12 @@ def _hand_out(reply: Future[Any], items: list[tuple[_Entry, Future[Any]]]) -> No
         _fail_all(items, exc)
         return
     for (_, fut), outcome in zip(items, outcomes, strict=True):
-        if type(outcome) is Failure or type(outcome) is TorchFailure:
-            fut.set_exception(outcome.error)
+        try:
+            value = check_reply(outcome)  # a Failure raises its call's own error
+        except BaseException as exc:
+            fut.set_exception(exc)
         else:
-            fut.set_result(outcome)
+            fut.set_result(value)
 
 
 def _fail_all(items: list[tuple[_Entry, Future[Any]]], error: BaseException) -> None:
@@ -144,10 +148,8 @@ def run_batch(entries: list[_Entry]) -> Future[list[Any]]:
             outcomes.append(_calls.run_python_async(func, args, kwargs))
         else:
             outcomes.append(_calls.run_python(func, args, kwargs))
-    done: Future[list[Any]] = Future()
     if not waiting:
-        done.set_result(outcomes)
-        return done
+        return completed(outcomes)
 
     def fill(_: object) -> list[Any]:
         for i in waiting:

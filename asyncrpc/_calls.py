@@ -41,7 +41,7 @@ from torch.futures import Future
 from . import _failures, _torch, _trace, _world
 from ._errors import NestedCallError, UnknownWorkerError
 from ._failures import check_reply, label_of
-from ._futures import check_seconds
+from ._futures import check_seconds, completed
 from ._torch import WorkerInfo
 
 __all__ = [
@@ -329,7 +329,7 @@ def run_python_async(
     try:
         fut = func(*args, **kwargs)
     except Exception as exc:
-        return _futures_completed(_failures.capture(exc, _world.describe_self(), func))
+        return completed(_failures.capture(exc, _world.describe_self(), func))
     if not isinstance(fut, _torch.FutureType):
         return fut  # type: ignore[no-any-return]  # torch's own check reports it
     return cast(Future[Any], fut.then(functools.partial(_settle_remote, func)))
@@ -344,12 +344,6 @@ def _settle_remote(func: Callable[..., Any], fut: Future[Any]) -> Any:
         return fut.wait()
     except Exception as exc:
         return _failures.capture(exc, _world.describe_self(), func)
-
-
-def _futures_completed(value: Any) -> Future[Any]:
-    fut: Future[Any] = Future()
-    fut.set_result(value)
-    return fut
 
 
 # ---- blocking calls from RPC threads --------------------------------------------------

@@ -42,7 +42,6 @@ __all__ = [
     "capture",
     "capture_for_torch",
     "check_reply",
-    "failure_of",
     "label_of",
     "name_failure",
     "name_future_failure",
@@ -84,11 +83,6 @@ def _revive_failure(msg: str, module: str, qualname: str, payload: bytes | None)
             f"import ({exc}); make that module importable here too. Remote error: {msg}"
         )
     return _failure(error, msg)
-
-
-def failure_of(error: BaseException) -> Failure:
-    """A Failure raising `error` where it is read (a caller's own, already named, error)."""
-    return _failure(error, f"{type(error).__name__}: {error}")
 
 
 def _failure(error: BaseException, msg: str) -> Failure:

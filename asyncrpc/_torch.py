@@ -64,7 +64,6 @@ __all__ = [
     "set_unwrap",
     "tag_future",
     "uninstall_await",
-    "unname_future_failures",
     "worker_infos",
 ]
 
@@ -264,16 +263,6 @@ def name_future_failures(name: _Namer) -> None:
         FutureType.then = _held(_future_then)  # type: ignore[method-assign]
         FutureType.add_done_callback = _held(_future_add_done_callback)  # type: ignore[method-assign]
         torch._C._collect_all = _tagged_collect_all
-
-
-def unname_future_failures() -> None:
-    """Put torch's own Future methods and `collect_all` back."""
-    with _await_lock:
-        FutureType.wait = _future_wait  # type: ignore[method-assign]
-        FutureType.value = _future_value  # type: ignore[method-assign]
-        FutureType.then = _future_then  # type: ignore[method-assign]
-        FutureType.add_done_callback = _future_add_done_callback  # type: ignore[method-assign]
-        torch._C._collect_all = _collect_all
 
 
 def _named_read(read: Callable[[Any], Any], name: _Namer) -> Callable[[Any], Any]:

@@ -161,11 +161,11 @@ def _ray_ways(small: Tensor, big: Tensor) -> dict[str, dict[str, Way]]:
 
 
 def _start_ray() -> bool:
-    try:
-        import ray
-    except ImportError:
+    if not _has_ray():
         print("Ray rows skipped: Ray is not installed (pip install 'asyncrpc[bench]')")
         return False
+    import ray
+
     ray.init(
         num_cpus=2,
         include_dashboard=False,
