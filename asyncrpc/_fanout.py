@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 from torch.futures import Future
 
-from . import _futures
+from . import _exit, _futures
 
 Engine = Literal["auto", "threads", "fork", "serial"]
 _ENGINES = ("auto", "threads", "fork", "serial")
@@ -78,6 +78,7 @@ class _Pool:
         ]
         for thread in self._threads:
             thread.start()
+        _exit.settle_at_exit(self._threads)
         ready.wait()
         # torch.set_num_threads also sets the default for threads started later;
         # put it back from a throwaway thread so this one and the pool keep theirs.
@@ -148,6 +149,7 @@ class Fanout:
         self._lock = threading.Lock()
         if self.engine == "fork":
             self._driver = _script_driver(self.members, show_warnings)
+            _exit.settle_at_exit()
 
     def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Call every member with the same arguments and return their results."""

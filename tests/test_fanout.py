@@ -205,3 +205,20 @@ def test_fork_basics_example_prints_the_reference_results() -> None:
         "fanout, module with b=2: [tensor(4)]",
     ]
     assert "Warning" not in result.stderr
+
+
+def test_exit_hook_joins_pool_threads_and_meets_every_inter_op_thread() -> None:
+    # What keeps a process from aborting at exit after fan-out (asyncrpc/_exit.py).
+    from asyncrpc import _exit
+
+    fan = asyncrpc.Fanout([Scale(2.0), Scale(3.0)], engine="threads", threads=2)
+    fan(torch.ones(2))
+    pool = fan._pool
+    assert pool is not None
+    fan.close()
+    with asyncrpc.Fanout([Wide(), Wide()], engine="fork") as forked:
+        forked(torch.rand(2, 1, 16))
+    _exit.settle()
+    assert not any(thread.is_alive() for thread in pool._threads)
+    assert _exit._barrier.parties == torch.get_num_interop_threads()
+    assert not _exit._barrier.broken, "an inter-op thread never reached the barrier"
