@@ -149,7 +149,8 @@ class Fanout:
         self._lock = threading.Lock()
         if self.engine == "fork":
             self._driver = _script_driver(self.members, show_warnings)
-            _exit.settle_at_exit()
+        # Members may fork too (a scripted BiLSTM): settle torch's threads at exit.
+        _exit.settle_at_exit()
 
     def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Call every member with the same arguments and return their results."""
