@@ -70,6 +70,11 @@ class Context:
         def main(ctx: asyncrpc.Context) -> None:
             peer = ctx.names[(ctx.rank + 1) % ctx.world_size]
             print(ctx.name, "->", peer, ctx.workers("trainer"))
+            if ctx.attempt:  # the world was restarted after a failure
+                state = load_my_checkpoint(ctx.name)
+
+    `attempt` counts restarts: 0 on the first run of `main`, 1 after the first
+    restart (`asyncrpc.run(..., max_restarts=N)`, `asyncrpc-launch --max-restarts N`).
     """
 
     rank: int
@@ -77,6 +82,7 @@ class Context:
     name: str
     names: tuple[str, ...]
     roles: tuple[tuple[str, int], ...] = ()
+    attempt: int = 0
 
     @property
     def role(self) -> str | None:

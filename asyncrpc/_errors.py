@@ -131,6 +131,13 @@ class WorkerFailedError(AsyncRPCError):
     Attributes: `name` and `rank` of the worker, `exitcode` (negative for a
     signal, as in `multiprocessing`), and `remote_traceback`, the worker's
     formatted traceback when it raised (empty when it was killed).
+
+    Example::
+
+        try:
+            asyncrpc.run(main, world_size=4)
+        except asyncrpc.WorkerFailedError as failure:
+            print(failure.summary())   # worker 'worker2' (rank 2) was killed by SIGKILL
     """
 
     def __init__(
@@ -141,6 +148,13 @@ class WorkerFailedError(AsyncRPCError):
         self.exitcode = exitcode
         self.remote_traceback = remote_traceback
         super().__init__(self._describe())
+
+    def summary(self) -> str:
+        """The first line of the message: who failed and how."""
+        if self.remote_traceback:
+            last = self.remote_traceback.rstrip().splitlines()[-1]
+            return f"worker {self.name!r} (rank {self.rank}) raised {last}"
+        return self._describe()
 
     def _describe(self) -> str:
         who = f"worker {self.name!r} (rank {self.rank})"

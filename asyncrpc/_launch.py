@@ -74,6 +74,10 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
             f"the {BACKEND!r} rendezvous needs a port in --rdzv-endpoint HOST:PORT, "
             f"got {params.endpoint!r}"
         )
+    from . import _liveness, _torch
+
+    # This process is the agent: let it name the workers it sees die.
+    _torch.watch_agent_failures(_liveness.report_exits)
     rank = int(params.config["rank"])
     timeout = int(params.config.get("timeout", _DEFAULT_TIMEOUT_S))
     handler: RendezvousHandler = _handler_class()(

@@ -34,10 +34,8 @@ __all__ = [
     "HANDOFF_URL",
     "agree",
     "client_store",
-    "failed_peer",
     "hand_off",
     "host_store",
-    "report_failure",
 ]
 
 HANDOFF_URL = "asyncrpc-store://"
@@ -143,24 +141,6 @@ def _check_unique(names: tuple[str, ...]) -> None:
             f"worker names must be unique, but {ranks} share a name; pass a distinct "
             f"name= to each worker, or leave name unset for worker{{rank}}"
         )
-
-
-def _failure_key(tag: str) -> str:
-    return f"asyncrpc/{tag}failed"
-
-
-def report_failure(store: Store, name: str, tag: str = "") -> None:
-    """Tell the world's store that worker `name` failed (best effort: it may be gone)."""
-    try:
-        store.set(_failure_key(tag), name)
-    except (RuntimeError, dist.DistNetworkError):
-        pass
-
-
-def failed_peer(store: Store, tag: str = "") -> str | None:
-    """The name of a worker that reported a failure, if any; raises if the store is gone."""
-    key = _failure_key(tag)
-    return store.get(key).decode() if store.check([key]) else None
 
 
 def _handoff_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:

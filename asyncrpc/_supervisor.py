@@ -21,29 +21,24 @@ would not stop) poll for it and leave::
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-import torch.distributed as dist
-
 from . import _context, _rendezvous, _world
 from ._errors import WorkerFailedError
-from ._torch import Store
+from ._liveness import Liveness
 
 __all__ = ["run"]
 
 _GRACE_S = 3.0  # how long survivors get to exit on their own after a failure
 _KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL
-_WATCH_S = 0.5  # how often a worker waiting to shut down looks for a peer's failure
 
 
 def launched() -> bool:
@@ -57,6 +52,7 @@ def run(
     *,
     args: tuple[Any, ...] = (),
     roles: Mapping[str, int] | None = None,
+    max_restarts: int = 0,
     **options: Any,
 ) -> None:
     """Run `main(ctx, *args)` on every worker of a world, then shut RPC down cleanly.
@@ -64,8 +60,12 @@ def run(
     Under a launcher the process joins the launcher's world; otherwise `run`
     starts `world_size` local worker processes itself (`main` must then be
     defined at module level, behind ``if __name__ == "__main__":``). If a worker
-    raises or dies, the others are stopped and `WorkerFailedError` names it.
-    Options (`num_worker_threads`, `rpc_timeout`, ...): see `Settings`. Example::
+    raises or dies, the others are stopped and `WorkerFailedError` names it;
+    with `max_restarts=N` the world is started again instead, up to N times
+    (same names; `ctx.attempt` counts the restarts, so `main` can resume from
+    its own checkpoint). Under a launcher, the launcher restarts:
+    `asyncrpc-launch --max-restarts N`. Options (`num_worker_threads`,
+    `rpc_timeout`, ...): see `Settings`. Example::
 
         def main(ctx):
             print(ctx.name, "of", ctx.world_size)
@@ -76,6 +76,11 @@ def run(
     _check_main(main)
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, got {type(args).__name__}; write args=(x,)")
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(
+            f"max_restarts must be an int >= 0, got {max_restarts!r}; "
+            "e.g. max_restarts=2 starts the world at most 3 times"
+        )
     settings = _context.Settings.from_options(options)
     size = _context.resolve_world_size(world_size, roles)
     if launched():
@@ -86,7 +91,20 @@ def run(
             "asyncrpc.run needs world_size=N (or roles=...) to start a local world; "
             "under a launcher it takes the launcher's"
         )
-    _run_embedded(main, args, size, roles, settings)
+    for attempt in range(max_restarts + 1):
+        failure = _run_embedded(main, args, size, roles, settings, attempt)
+        if failure is None:
+            return
+        if attempt == max_restarts:
+            if max_restarts:
+                failure.add_note(f"the world was started {attempt + 1} times; every run failed")
+            raise failure
+        print(
+            f"asyncrpc: {failure.summary()}; restarting the world "
+            f"(restart {attempt + 1} of {max_restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _check_main(main: object) -> None:
@@ -111,47 +129,21 @@ def _run_launched(
     settings: _context.Settings,
 ) -> None:
     ctx = _world.init(world_size=world_size, roles=roles, **_as_options(settings))
-    store, tag = _world.current_store(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    tag = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    live = Liveness(_world.current_store(), ctx.rank, ctx.names, tag).start()
     try:
         main(ctx, *args)
-    except BaseException:
-        print(f"asyncrpc: worker {ctx.name!r} (rank {ctx.rank}) failed", file=sys.stderr)
-        _rendezvous.report_failure(store, ctx.name, tag)
+    except BaseException as error:
+        record = live.report(f"raised {type(error).__name__}: {error}")
+        print(f"asyncrpc: {record}", file=sys.stderr, flush=True)
+        live.stop(left=False)
         # Peers may still wait on this worker: leave without the shutdown barrier.
         _world.shutdown(graceful=False)
         raise
-    with _leaving_if_a_peer_fails(store, ctx.name, tag):
-        _world.shutdown()
-
-
-@contextlib.contextmanager
-def _leaving_if_a_peer_fails(store: Store, name: str, tag: str) -> Iterator[None]:
-    # The graceful shutdown waits for every peer without a deadline. On one node
-    # the launcher stops the survivors of a failure; across nodes nothing would,
-    # so a peer's failure report in the store ends this worker too.
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.wait(_WATCH_S):
-            try:
-                failed = _rendezvous.failed_peer(store, tag)
-            except (RuntimeError, dist.DistNetworkError):
-                return  # the store's host has exited; nothing more to learn
-            if failed is not None:
-                print(
-                    f"asyncrpc: worker {failed!r} failed; {name!r} leaves the world",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os._exit(1)
-
-    watcher = threading.Thread(target=watch, name="asyncrpc-peer-watch", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()
-        watcher.join()
+    # The graceful shutdown waits for every peer without a deadline: keep
+    # beating and watching through it, so a peer dying now ends this one too.
+    _world.shutdown()
+    live.stop()
 
 
 def _as_options(settings: _context.Settings) -> dict[str, Any]:
@@ -164,7 +156,8 @@ def _run_embedded(
     world_size: int,
     roles: Mapping[str, int] | None,
     settings: _context.Settings,
-) -> None:
+    attempt: int,
+) -> WorkerFailedError | None:
     host = "127.0.0.1"
     store = _rendezvous.host_store(host, 0, settings.init_timeout)
     names = _context.names_for(world_size, roles)
@@ -174,7 +167,7 @@ def _run_embedded(
     try:
         for rank in range(world_size):
             reader, writer = spawner.Pipe(duplex=False)
-            spec = (rank, world_size, names[rank], host, store.port, settings, roles)
+            spec = (rank, world_size, names[rank], host, store.port, settings, roles, attempt)
             proc = spawner.Process(
                 target=_worker, args=(main, args, spec, writer), name=names[rank]
             )
@@ -182,12 +175,10 @@ def _run_embedded(
             writer.close()
             procs.append(proc)
             errors.append(reader)
-        failure = _supervise(procs, errors, names)
+        return _supervise(procs, errors, names)
     except BaseException:
         _stop(procs)
         raise
-    if failure is not None:
-        raise failure
 
 
 def _worker(
@@ -196,7 +187,7 @@ def _worker(
     spec: tuple[Any, ...],
     errors: multiprocessing.connection.Connection,
 ) -> None:
-    rank, world_size, name, host, port, settings, roles = spec
+    rank, world_size, name, host, port, settings, roles, attempt = spec
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -207,7 +198,15 @@ def _worker(
     )
     try:
         ctx = _world.start(
-            rank, world_size, name, host, port, settings, roles=roles, hosts_store=False
+            rank,
+            world_size,
+            name,
+            host,
+            port,
+            settings,
+            roles=roles,
+            hosts_store=False,
+            attempt=attempt,
         )
         try:
             main(ctx, *args)

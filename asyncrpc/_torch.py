@@ -360,6 +360,38 @@ def bound_static_rendezvous(
     return BoundStaticRendezvous
 
 
+def watch_agent_failures(
+    report: Callable[[Any, str, list[tuple[int, int, int]], int], None],
+) -> None:
+    """Have torchrun's agent call `report(store, attempt, [(rank, pid, exitcode)], elsewhere)`.
+
+    `elsewhere` counts the workers of the world on other nodes.
+
+    The agent learns every local worker's exit (signal included) first; this
+    wraps its private `_monitor_workers` so the world's store hears of it too.
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = LocalElasticAgent._monitor_workers
+    if getattr(original, "_asyncrpc", False):
+        return
+
+    def monitor(self: Any, worker_group: Any) -> Any:
+        result = original(self, worker_group)
+        spec = worker_group.spec
+        store = getattr(spec.rdzv_handler, "_store", None)
+        if result.is_failed() and store is not None:
+            attempt = str(spec.max_restarts - self._remaining_restarts)
+            failed = [(rank, f.pid, f.exitcode) for rank, f in result.failures.items()]
+            workers = worker_group.workers
+            elsewhere = workers[0].world_size - len(workers) if workers else 0
+            report(store, attempt, failed, elsewhere)
+        return result
+
+    monitor._asyncrpc = True  # type: ignore[attr-defined]
+    LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
+
+
 # ---- awaiting torch Futures -----------------------------------------------------------
 
 _await_lock = threading.Lock()

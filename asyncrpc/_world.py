@@ -32,7 +32,7 @@ from . import _failures, _net, _rendezvous, _torch
 from ._context import Context, Settings, names_for, resolve_world_size
 from ._errors import AsyncRPCError, NotInitializedError, WorldSizeMismatchError
 from ._execution import enable_await
-from ._torch import Store, WorkerInfo
+from ._torch import PrefixStore, Store, WorkerInfo
 
 __all__ = ["Context", "Settings", "current_context", "init", "shutdown", "start"]
 
@@ -208,6 +208,7 @@ def start(
     *,
     roles: Mapping[str, int] | None = None,
     hosts_store: bool,
+    attempt: int | None = None,
 ) -> Context:
     """Start RPC with everything resolved; `init` and `run` both end here."""
     global _world, _was_shut_down
@@ -224,7 +225,8 @@ def start(
             store = _rendezvous.client_store(master_addr, master_port, settings.init_timeout)
         tag = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
         names = _rendezvous.agree(store, rank, world_size, name, settings.init_timeout, tag)
-        context = Context(rank, world_size, name, names, tuple((roles or {}).items()))
+        attempt = attempt if attempt is not None else int(tag or 0)
+        context = Context(rank, world_size, name, names, tuple((roles or {}).items()), attempt)
         # Peers may call in as soon as the agent starts, before init_rpc returns
         # here: the world must already be visible to the functions they run.
         world = World(context, settings.num_worker_threads, store, settings)
@@ -249,7 +251,11 @@ def _start_agent(world: World, master_addr: str) -> None:
     options = _torch.backend_options(
         settings.num_worker_threads,
         settings.rpc_timeout,
-        _rendezvous.hand_off(world.store, ctx.rank, ctx.world_size),
+        # Keys of its own per attempt: after a restart, torch's agent must not
+        # read the addresses the previous attempt's workers left in the store.
+        _rendezvous.hand_off(
+            PrefixStore(f"asyncrpc/{ctx.attempt}/rpc/", world.store), ctx.rank, ctx.world_size
+        ),
         settings.transports,
         settings.channels,
     )

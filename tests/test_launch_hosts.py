@@ -18,6 +18,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -82,7 +83,12 @@ def _remove(tag: str) -> None:
 
 
 def launch_on_both(
-    hosts: tuple[Host, Host], script: str, *args: str, interface: bool = False, timeout: float = 90
+    hosts: tuple[Host, Host],
+    script: str,
+    *args: str,
+    interface: bool = False,
+    timeout: float = 90,
+    launcher_args: tuple[str, ...] = (),
 ) -> list[tuple[int, str, str]]:
     """Run `script` on both hosts under asyncrpc-launch; (exit code, stdout, stderr) per host.
 
@@ -94,7 +100,7 @@ def launch_on_both(
         named = ["--interface", host.link] if interface and rank == 1 else []
         launcher = [sys.executable, "-m", "asyncrpc._launch", "--nnodes", "2"]
         launcher += ["--node-rank", str(rank), "--rdzv-endpoint", f"{ADDRESSES[0]}:{PORT}"]
-        launcher += ["--nproc-per-node", "2", *named, script, *args]
+        launcher += ["--nproc-per-node", "2", *launcher_args, *named, script, *args]
         procs.append(start_program("ip", "netns", "exec", host.namespace, *launcher, env={}))
     results = []
     for proc in procs:
@@ -214,5 +220,46 @@ def test_a_failure_on_one_host_ends_the_workers_on_the_other(hosts: tuple[Host, 
     results = launch_on_both(hosts, str(PROGRAMS / "two_hosts.py"), "--fail", timeout=60)
     assert [code for code, _, _ in results] == [1, 1], [err[-2000:] for _, _, err in results]
     assert "worker0 fails on purpose" in results[0][2]
-    for name in ("worker2", "worker3"):
-        assert f"asyncrpc: worker 'worker0' failed; {name!r} leaves the world" in results[1][2]
+    report = "worker 'worker0' (rank 0, node "
+    assert f"{report}" in results[0][2] and "raised RuntimeError" in results[0][2]
+    # Both workers of host 1 leave, each with the one report of what happened.
+    leaving = [line for line in results[1][2].splitlines() if "leaves the world" in line]
+    assert len(leaving) == 2 and all(report in line for line in leaving), results[1][2]
+
+
+SUPERVISED = str(PROGRAMS / "supervised.py")
+
+
+@pytest.mark.parametrize(("victim", "home"), [("worker1", 0), ("worker2", 1)])
+def test_a_killed_worker_on_either_host_ends_both_launchers_naming_it(
+    hosts: tuple[Host, Host], victim: str, home: int
+) -> None:
+    # No call is pending on the victim: only supervision can notice it is gone.
+    started = time.monotonic()
+    results = launch_on_both(hosts, SUPERVISED, "--kill", victim, "--world", "4", timeout=60)
+    took = time.monotonic() - started
+    assert [code != 0 for code, _, _ in results] == [True, True], [e[-2000:] for *_, e in results]
+    killed = f"worker {victim!r} (rank {victim[-1]}, node "
+    assert f"{killed}" in results[home][2] and "was killed by SIGKILL" in results[home][2]
+    other = results[1 - home][2]
+    leaving = [line for line in other.splitlines() if "leaves the world" in line]
+    assert len(leaving) == 2, other[-3000:]
+    assert all(killed in line and "SIGKILL" in line for line in leaving), leaving
+    assert took < 45, f"the launchers took {took:.1f} s to end after a kill"
+
+
+def test_a_killed_worker_on_host_1_restarts_the_world_and_the_job_completes(
+    hosts: tuple[Host, Host],
+) -> None:
+    results = launch_on_both(
+        hosts,
+        SUPERVISED,
+        "--kill",
+        "worker2",
+        "--world",
+        "4",
+        timeout=90,
+        launcher_args=("--max-restarts", "1"),
+    )
+    result = _result(results)
+    assert result == {"attempt": 1, "ranks": [0, 1, 2, 3]}

@@ -1,0 +1,180 @@
+"""Peer liveness in a launched world: heartbeats in the store the world already has.
+
+A launcher stops the workers on its own node when one dies, but nothing tells
+the workers on other nodes, and torch's RPC only notices a dead peer when a
+call to it fails. So every launched worker beats in the world's store and
+watches everyone else's beat, with or without calls in flight::
+
+    worker r (thread "asyncrpc-liveness", every `interval` s)
+      |--- add beat/r, 1 ------------------------> store (node 0)
+      |<-- beats of every rank, failed, left/* ----|
+      |    a beat unchanged for `timeout` s, and that rank has not left:
+      |--- compare_set failed = "<who, where, why>"   (the first report wins)
+      `--> print the report, exit 1: this node's launcher ends (or restarts) too
+
+A worker that raises writes the same `failed` record itself (`report`), and
+one that finishes marks `left/r` before it stops beating. If the store itself
+is gone (node 0 ended), the world is over and every worker leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from ._torch import PrefixStore, Store
+
+__all__ = ["Liveness", "describe", "report_exits"]
+
+INTERVAL_S = 0.5
+TIMEOUT_S = 3.0
+
+
+def describe(name: str, rank: int) -> str:
+    """How a report names a worker: name, rank, node and process id."""
+    return f"worker {name!r} (rank {rank}, node {socket.gethostname()}, pid {os.getpid()})"
+
+
+class Liveness:
+    """Beats for this worker and watches the others' beats until `stop`."""
+
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        names: tuple[str, ...],
+        tag: str,
+        *,
+        interval: float = INTERVAL_S,
+        timeout: float = TIMEOUT_S,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
+        self.space = PrefixStore(f"asyncrpc/{tag}live/", store)
+        self.rank, self.names = rank, names
+        self.interval, self.timeout = interval, timeout
+        self.on_failure = on_failure or _leave
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="asyncrpc-liveness", daemon=True)
+        self.space.set(f"node/{rank}", describe(names[rank], rank))
+        self.space.add(f"beat/{rank}", 1)
+
+    def start(self) -> Liveness:
+        self._thread.start()
+        return self
+
+    def report(self, why: str) -> str:
+        """Record this worker's own failure (best effort); returns the record that won."""
+        return self._claim(f"{describe(self.names[self.rank], self.rank)} {why}")
+
+    def stop(self, left: bool = True) -> None:
+        """Stop beating; with `left`, peers know this worker ended on purpose."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        if left:
+            try:
+                self.space.set(f"left/{self.rank}", "1")
+            except (RuntimeError, dist.DistNetworkError):
+                pass  # the store's host has already ended: nobody is left to tell
+
+    def _run(self) -> None:
+        ranks = [r for r in range(len(self.names)) if r != self.rank]
+        beats = {f"beat/{r}": r for r in ranks}
+        last: dict[int, tuple[bytes, float]] = {}
+        for key in beats:
+            self.space.add(key, 0)  # create it, so multi_get never waits for a key
+        while not self._stop.wait(self.interval):
+            try:
+                self.space.add(f"beat/{self.rank}", 1)
+                record = self._check(beats, last)
+            except (RuntimeError, dist.DistNetworkError) as error:
+                if self._stop.is_set():
+                    return
+                record = f"the world's store is gone ({error}); node 0 has ended"
+            if record is not None:
+                with contextlib.suppress(RuntimeError, dist.DistNetworkError):
+                    self.space.add("seen", 1)  # the launcher that reported waits for this
+                self.on_failure(record)
+                return
+
+    def _check(self, beats: dict[str, int], last: dict[int, tuple[bytes, float]]) -> str | None:
+        if self.space.check(["failed"]):
+            return self.space.get("failed").decode()
+        now = time.monotonic()
+        for value, rank in zip(self.space.multi_get(list(beats)), beats.values(), strict=True):
+            seen, since = last.get(rank, (b"", now))
+            if value != seen:
+                last[rank] = (value, now)
+            elif now - since > self.timeout and not self.space.check([f"left/{rank}"]):
+                where = self.space.get(f"node/{rank}").decode()
+                silent = f"stopped beating {now - since:.1f} s ago (killed, or hung)"
+                return self._claim(f"{where} {silent}")
+        return None
+
+    def _claim(self, record: str) -> str:
+        try:
+            return self.space.compare_set("failed", "", record).decode()
+        except (RuntimeError, dist.DistNetworkError):
+            return record
+
+
+def report_exits(
+    store: Store, tag: str, failed: list[tuple[int, int, int]], elsewhere: int
+) -> None:
+    """A launcher's report of its workers' exits: to stderr, and to the world's store.
+
+    The launcher on node 0 hosts the store and ends right after this: it first
+    gives the `elsewhere` workers (on other nodes) up to `timeout` s to read it.
+    """
+    space = PrefixStore(f"asyncrpc/{tag}live/", store)
+    reported = False
+    for rank, pid, exitcode in failed:
+        try:
+            key = f"node/{rank}"
+            who = space.get(key).decode() if space.check([key]) else f"rank {rank} (pid {pid})"
+        except (RuntimeError, dist.DistNetworkError):
+            who = f"rank {rank} (pid {pid})"
+        record = f"{who} {_exit_text(exitcode)}"
+        try:
+            first = space.compare_set("failed", "", record).decode()
+        except (RuntimeError, dist.DistNetworkError):
+            first = record  # the store ended with node 0: nobody left to tell
+        if first == record:
+            print(f"asyncrpc: {record}", file=sys.stderr, flush=True)
+            reported = True
+        elif exitcode != -signal.SIGTERM:  # SIGTERM: stopped by a launcher after `first`
+            print(f"asyncrpc: {record}, after {first}", file=sys.stderr, flush=True)
+
+    if reported and elsewhere:
+        _wait_until_seen(space, elsewhere, TIMEOUT_S)
+
+
+def _wait_until_seen(space: Store, workers: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(RuntimeError, dist.DistNetworkError):
+        while space.add("seen", 0) < workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _exit_text(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def _leave(record: str) -> None:
+    print(f"asyncrpc: {record}; this worker leaves the world", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # The main thread may be blocked in torch (a call, the shutdown barrier).
+    os._exit(1)
