@@ -4,7 +4,7 @@ import pytest
 
 from asyncrpc import _launch
 
-from conftest import bin_path, run_program
+from conftest import PROGRAMS, bin_path, run_program
 
 
 def test_single_node_uses_a_loopback_store_on_a_free_port() -> None:
@@ -80,3 +80,23 @@ def test_help_explains_the_launcher() -> None:
     assert "asyncrpc-launch" in done.stdout
     assert "127.0.0.1 only" in done.stdout
     assert "--interface" in done.stdout
+
+
+@pytest.mark.subprocess
+def test_max_restarts_forms_the_world_again_after_a_kill() -> None:
+    program = str(PROGRAMS / "supervised.py")
+    done = run_program(
+        bin_path("asyncrpc-launch"),
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "1",
+        program,
+        "--kill",
+        "worker1",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert 'RESULT {"attempt": 1, "ranks": [0, 1, 2]}' in done.stdout
+    # The launcher names the worker it saw die, not only its local rank.
+    assert "asyncrpc: worker 'worker1' (rank 1, node " in done.stderr
+    assert "was killed by SIGKILL" in done.stderr

@@ -55,8 +55,8 @@ def test_a_raising_worker_fails_the_run_with_its_traceback() -> None:
 def test_a_raising_worker_under_torchrun_is_named() -> None:
     done = run_program(bin_path("torchrun"), "--nproc-per-node", "3", str(PROGRAMS / "raises.py"))
     assert done.returncode != 0
-    assert "asyncrpc: worker 'worker2' (rank 2) failed" in done.stderr
-    assert "ExampleFailure" in done.stderr
+    assert "asyncrpc: worker 'worker2' (rank 2, node " in done.stderr
+    assert "raised ExampleFailure: worker2 could not load its shard" in done.stderr
 
 
 def _wait_for_pids(pids_dir: pathlib.Path, count: int, timeout: float = 60) -> dict[str, int]:
@@ -99,6 +99,33 @@ def _is_zombie(pid: int) -> bool:
         return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
+
+
+def test_run_with_max_restarts_completes_after_a_kill(tmp_path: pathlib.Path) -> None:
+    journal = tmp_path / "journal"
+    done = run_program(
+        "python",
+        str(PROGRAMS / "supervised.py"),
+        "--kill",
+        "worker1",
+        "--restarts",
+        "1",
+        "--journal",
+        str(journal),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert 'RESULT {"attempt": 1, "ranks": [0, 1, 2]}' in done.stdout
+    assert "worker 'worker1' (rank 1) was killed by SIGKILL; restarting the world" in done.stderr
+    runs = sorted(journal.read_text().split("\n")[:-1])
+    assert runs == [f"worker{r} {a}" for r in range(3) for a in (0, 1)]
+
+
+def test_run_rejects_bad_max_restarts() -> None:
+    import asyncrpc
+
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="max_restarts must be an int >= 0"):
+            asyncrpc.run(_module_main, world_size=2, max_restarts=bad)  # type: ignore[arg-type]
 
 
 def test_run_rejects_a_lambda() -> None:
