@@ -33,6 +33,7 @@ from ._errors import (
     WorldSizeMismatchError,
 )
 from ._execution import async_execution, enable_await
+from ._failures import log_unwaited_failures
 from ._fanout import Fanout, fanout
 from ._handles import RemoteModule, RemoteObject, call_all, spawn
 from ._render import render_trace
@@ -86,6 +87,7 @@ __all__ = (
     "fanout",
     "gather",
     "init",
+    "log_unwaited_failures",
     "remote",
     "render_trace",
     "rpc_async",

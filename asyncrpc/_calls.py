@@ -234,6 +234,8 @@ def send(call: Call) -> Future[Any]:
     fut = _start(call)
     _torch.tag_future(fut, (call.worker, call.label))
     _torch.set_unwrap(fut, check_reply)
+    if _failures.unwaited_logging():
+        _failures.watch_unwaited(fut, call.worker, call.label)
     return fut
 
 

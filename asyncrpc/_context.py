@@ -38,6 +38,8 @@ class Settings:
     # shortest round trip of the CPU channels; CUDA builds keep torch's set.
     transports: tuple[str, ...] | None = ("uv",)
     channels: tuple[str, ...] | None = dataclasses.field(default_factory=_default_channels)
+    # None keeps the process's choice (asyncrpc.log_unwaited_failures, ASYNCRPC_LOG_UNWAITED).
+    log_unwaited_failures: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:

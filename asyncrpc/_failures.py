@@ -18,10 +18,14 @@ reply that cannot be pickled) are named where they are read::
 A `RemoteError` is an instance of the type raised remotely *and* of
 RuntimeError (what torch raises there), so `except KeyError`,
 `except RuntimeError` and `except asyncrpc.RemoteError` all catch it.
+
+A failure nobody reads is lost, unless `log_unwaited_failures` is on: then
+it is logged once, when its Future is dropped unread (or fails after that).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import threading
@@ -43,11 +47,14 @@ __all__ = [
     "capture_for_torch",
     "check_reply",
     "label_of",
+    "log_unwaited_failures",
     "name_failure",
     "name_future_failure",
     "name_rref_failure",
     "raise_unsendable",
     "revive_remote",
+    "unwaited_logging",
+    "watch_unwaited",
 ]
 
 
@@ -255,6 +262,49 @@ def name_future_failure(error: BaseException, sent: tuple[str, object]) -> BaseE
 def name_rref_failure(error: BaseException, owner: str) -> BaseException:
     """`name_failure` for torch's `RRef.to_here()`."""
     return name_failure(error, owner, "RRef.to_here()")
+
+
+_logger = logging.getLogger("asyncrpc")
+_unwaited = [False]
+
+
+def log_unwaited_failures(enabled: bool = True) -> None:
+    """Log a call's failure when its Future is dropped without being read.
+
+    Off by default (it adds a callback per call). `asyncrpc.run(...,
+    log_unwaited_failures=True)` turns it on in every worker, and so does the
+    environment variable ``ASYNCRPC_LOG_UNWAITED=1``. The record goes to the
+    ``"asyncrpc"`` logger at WARNING, once per failed call. Example::
+
+        asyncrpc.log_unwaited_failures()
+        asyncrpc.rpc_async("worker1", update, args=(grads,))   # fire and forget
+        # WARNING asyncrpc: a call nobody waited for failed: ...
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False, got {enabled!r}")
+    _unwaited[0] = enabled
+
+
+def unwaited_logging() -> bool:
+    """True when failures nobody waited for are logged (`log_unwaited_failures`)."""
+    return _unwaited[0]
+
+
+def watch_unwaited(fut: object, worker: str, func: object) -> None:
+    """Log `fut`'s failure if it is dropped unread (see `log_unwaited_failures`)."""
+
+    def report(error: BaseException) -> None:
+        named = name_failure(error, worker, func) if type(error) is RuntimeError else error
+        _logger.warning(
+            "a call nobody waited for failed: %s on %s raised %s: %s; read its Future "
+            "(wait(), value(), await) to handle it",
+            label_of(func),
+            worker,
+            type(named).__name__,
+            str(named).strip().splitlines()[0] if str(named).strip() else "",
+        )
+
+    _torch.watch_unread(fut, report)
 
 
 def raise_unsendable(error: BaseException, worker: str, func: object) -> NoReturn:

@@ -64,6 +64,8 @@ __all__ = [
     "set_unwrap",
     "tag_future",
     "uninstall_await",
+    "watch_agent_failures",
+    "watch_unread",
     "worker_infos",
 ]
 
@@ -268,6 +270,8 @@ def name_future_failures(name: _Namer) -> None:
 def _named_read(read: Callable[[Any], Any], name: _Namer) -> Callable[[Any], Any]:
     @functools.wraps(read)
     def named_read(self: Any) -> Any:
+        if _unread:
+            _mark_read(self)
         try:
             return read(self)
         except RuntimeError as exc:
@@ -299,6 +303,7 @@ def _held(add: Callable[..., Any]) -> Callable[..., Any]:
     def add_callback(self: Any, callback: Callable[[Any], Any]) -> Any:
         if self in _tags:
             callback = functools.partial(_call_held, callback, self)
+            _mark_read(self)
         return add(self, callback)
 
     return add_callback
@@ -314,9 +319,65 @@ class _Members(NamedTuple):
 
 def _tagged_collect_all(futures: list[Any]) -> Any:
     combined = _collect_all(futures)
+    for fut in futures if _unread else ():
+        _mark_read(fut)
     if any(fut in _tags for fut in futures):
         _tags[combined] = _Members(list(futures))
     return combined
+
+
+# ---- failures nobody read --------------------------------------------------------------
+
+
+class _Unread:
+    """What is known of one watched Future: its error, and whether anyone read it."""
+
+    __slots__ = ("dropped", "error", "read", "report")
+
+    def __init__(self, report: Callable[[BaseException], None]) -> None:
+        self.report: Callable[[BaseException], None] | None = report
+        self.error: BaseException | None = None
+        self.dropped = self.read = False
+
+    def settle(self, fut: Any) -> None:
+        try:
+            _future_wait(fut)
+        except Exception as error:  # the failure itself is what gets reported
+            # Its traceback holds this frame, and so `fut`: it would never be dropped.
+            self.error = error.with_traceback(None)
+            if self.dropped:
+                self.emit()
+
+    def drop(self) -> None:
+        self.dropped = True
+        if self.error is not None:
+            self.emit()
+
+    def emit(self) -> None:
+        report, self.report = self.report, None
+        if report is not None and not self.read and self.error is not None:
+            report(self.error)
+
+
+_unread: weakref.WeakKeyDictionary[Any, _Unread] = weakref.WeakKeyDictionary()
+
+
+def watch_unread(fut: Any, report: Callable[[BaseException], None]) -> None:
+    """Call `report(error)` once if `fut` fails and is dropped without being read.
+
+    A read is `wait`, `value`, `then`, `add_done_callback` or `collect_all`;
+    it counts whether it comes before or after the failure.
+    """
+    state = _Unread(report)
+    _unread[fut] = state
+    weakref.finalize(fut, state.drop)
+    _future_add_done_callback(fut, state.settle)
+
+
+def _mark_read(fut: Any) -> None:
+    state = _unread.get(fut)
+    if state is not None:
+        state.read = True
 
 
 # ---- torchrun's rendezvous -------------------------------------------------------------

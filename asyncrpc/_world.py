@@ -110,6 +110,8 @@ def _install_hooks() -> None:
     # become awaitable, and RRef.to_here and the reply of a call name the worker
     # when torch fails.
     enable_await()
+    if os.environ.get("ASYNCRPC_LOG_UNWAITED", "").lower() in ("1", "true", "yes"):
+        _failures.log_unwaited_failures(True)
     _torch.name_rref_failures(_failures.name_rref_failure)
     _torch.name_future_failures(_failures.name_future_failure)
 
@@ -232,6 +234,8 @@ def start(
         world = World(context, settings.num_worker_threads, store, settings)
         _world = world
         _install_hooks()
+        if settings.log_unwaited_failures is not None:
+            _failures.log_unwaited_failures(settings.log_unwaited_failures)
         try:
             _start_agent(world, master_addr)
         except BaseException:

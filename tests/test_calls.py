@@ -99,3 +99,70 @@ def test_an_undecorated_async_function_says_to_decorate_it(world: asyncrpc.Conte
     with pytest.raises(asyncrpc.SerializationError, match=r"@asyncrpc\.async_execution"):
         asyncrpc.rpc_async("worker1", undecorated, args=(1,)).wait()
     assert asyncrpc.rpc_sync("worker1", decorated, args=(1,)) == 1
+
+
+def fail_after(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+    raise KeyError("shard-7")
+
+
+def _unwaited_records(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "nobody waited" in r.getMessage()]
+
+
+def _wait_for(predicate: object, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.02)
+
+
+def test_a_failure_nobody_waited_for_is_logged_once(
+    world: asyncrpc.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    import gc
+
+    caplog.set_level("WARNING", logger="asyncrpc")
+    asyncrpc.log_unwaited_failures()
+    try:
+        # Dropped before it fails (fire and forget) ...
+        asyncrpc.rpc_async("worker1", fail_after, args=(0.2,))
+        _wait_for(lambda: _unwaited_records(caplog))
+        # ... and dropped after it failed.
+        fut = asyncrpc.rpc_async("worker2", fail_after, args=(0,))
+        _wait_for(fut.done)
+        del fut
+        gc.collect()
+        _wait_for(lambda: len(_unwaited_records(caplog)) >= 2)
+        # Read, so handled: not logged; and a success is never logged.
+        read = asyncrpc.rpc_async("worker1", fail_after, args=(0,))
+        with pytest.raises(KeyError):
+            read.wait()
+        del read
+        asyncrpc.rpc_async("worker1", whoami).wait()
+        gc.collect()
+    finally:
+        asyncrpc.log_unwaited_failures(False)
+    records = _unwaited_records(caplog)
+    assert len(records) == 2, records
+    for record in records:
+        assert "fail_after()" in record and "KeyError" in record and "shard-7" in record
+    assert "on worker1" in records[0] and "on worker2" in records[1]
+
+
+def test_unwaited_failures_are_not_logged_by_default(
+    world: asyncrpc.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    import gc
+
+    caplog.set_level("WARNING", logger="asyncrpc")
+    fut = asyncrpc.rpc_async("worker1", fail_after, args=(0,))
+    _wait_for(fut.done)
+    del fut
+    gc.collect()
+    assert _unwaited_records(caplog) == []
+    with pytest.raises(TypeError, match="True or False"):
+        asyncrpc.log_unwaited_failures("yes")  # type: ignore[arg-type]
