@@ -237,15 +237,20 @@ def test_a_killed_worker_on_either_host_ends_both_launchers_naming_it(
     # No call is pending on the victim: only supervision can notice it is gone.
     started = time.monotonic()
     results = launch_on_both(hosts, SUPERVISED, "--kill", victim, "--world", "4", timeout=60)
-    took = time.monotonic() - started
+    took, ended = time.monotonic() - started, time.time()
     assert [code != 0 for code, _, _ in results] == [True, True], [e[-2000:] for *_, e in results]
+    kills = [line for line in results[home][1].splitlines() if line.startswith("KILLED ")]
+    assert len(kills) == 1, results[home][1]
+    after = ended - float(kills[0].split()[1])
+    print(f"kill of {victim} on host {home}: both launchers ended {after:.1f} s later")
     killed = f"worker {victim!r} (rank {victim[-1]}, node "
     assert f"{killed}" in results[home][2] and "was killed by SIGKILL" in results[home][2]
     other = results[1 - home][2]
     leaving = [line for line in other.splitlines() if "leaves the world" in line]
     assert len(leaving) == 2, other[-3000:]
     assert all(killed in line and "SIGKILL" in line for line in leaving), leaving
-    assert took < 45, f"the launchers took {took:.1f} s to end after a kill"
+    assert after < 10, f"the launchers took {after:.1f} s to end after the kill"
+    assert took < 45, f"the run took {took:.1f} s"
 
 
 def test_a_killed_worker_on_host_1_restarts_the_world_and_the_job_completes(
@@ -263,3 +268,56 @@ def test_a_killed_worker_on_host_1_restarts_the_world_and_the_job_completes(
     )
     result = _result(results)
     assert result == {"attempt": 1, "ranks": [0, 1, 2, 3]}
+
+
+NETEM = ("netem", "delay", "50ms", "loss", "5%")
+# Where the kernel has no netem (sch_netem): a 8 Mbit/s link with a 16 kB queue,
+# which the load overruns, so packets queue (delay) and are tail-dropped (loss).
+NARROW = ("tbf", "rate", "8mbit", "burst", "16kb", "limit", "16kb")
+
+
+def _shape(host: Host, qdisc: tuple[str, ...]) -> bool:
+    command = ["ip", "netns", "exec", host.namespace, "tc", "qdisc", "replace", "dev", host.link]
+    return (
+        subprocess.run([*command, "root", *qdisc], capture_output=True, timeout=30).returncode == 0
+    )
+
+
+def _dropped(host: Host) -> int:
+    command = [
+        "ip",
+        "netns",
+        "exec",
+        host.namespace,
+        "tc",
+        "-s",
+        "qdisc",
+        "show",
+        "dev",
+        host.link,
+    ]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
+    return sum(int(w.rstrip(",")) for w in out.split("dropped ")[1:] for w in [w.split()[0]])
+
+
+def test_a_load_run_over_a_delaying_lossy_link_ends_every_call(hosts: tuple[Host, Host]) -> None:
+    qdisc = NETEM if all(_shape(host, NETEM) for host in hosts) else NARROW
+    if qdisc is NARROW and not all(_shape(host, NARROW) for host in hosts):
+        pytest.skip("this kernel has neither netem nor tbf queueing disciplines")
+    try:
+        args = ("--calls", "300", "--in-flight", "32", "--timeout", "10", "--payload", "8192")
+        result = _result(
+            launch_on_both(hosts, str(PROGRAMS / "netem_load.py"), *args, timeout=150)
+        )
+        result["dropped_packets"] = sum(_dropped(host) for host in hosts)
+    finally:
+        for host in hosts:
+            _shape(host, ("pfifo",))
+    print(f"faulty link ({' '.join(qdisc)}):", result)  # the README's reliability figures
+    assert result["ended"] is True
+    assert result["lost"] == 0 and result["wrong"] == 0 and result["executed_twice"] == 0
+    failed = result["failed"]
+    assert isinstance(failed, dict)
+    assert set(failed) <= {"CallTimeoutError", "WorkerUnreachableError"}, failed
+    assert result["ok"] + sum(failed.values()) == result["calls"]
+    assert result["dropped_packets"] > 0, "the link dropped nothing: the test shaped no fault"
