@@ -70,8 +70,15 @@ class Liveness:
         self._thread.start()
         return self
 
-    def report(self, why: str) -> str:
-        """Record this worker's own failure (best effort); returns the record that won."""
+    def report(self, why: str, defer: bool = False) -> str:
+        """Record this worker's own failure (best effort); returns the record that won.
+
+        With `defer`, first wait up to `timeout` s for another record (the cause).
+        """
+        deadline = time.monotonic() + (self.timeout if defer else 0)
+        with contextlib.suppress(RuntimeError, dist.DistNetworkError):
+            while not self.space.check(["failed"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
         return self._claim(f"{describe(self.names[self.rank], self.rank)} {why}")
 
     def stop(self, left: bool = True) -> None:

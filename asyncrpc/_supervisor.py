@@ -32,7 +32,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from . import _context, _rendezvous, _world
-from ._errors import WorkerFailedError
+from ._errors import WorkerFailedError, WorkerUnreachableError
 from ._liveness import Liveness
 
 __all__ = ["run"]
@@ -134,7 +134,10 @@ def _run_launched(
     try:
         main(ctx, *args)
     except BaseException as error:
-        record = live.report(f"raised {type(error).__name__}: {error}")
+        # A call that failed because its peer died is a consequence: give the
+        # launcher that saw the death the first word.
+        lost_peer = isinstance(error, WorkerUnreachableError)
+        record = live.report(f"raised {type(error).__name__}: {error}", defer=lost_peer)
         print(f"asyncrpc: {record}", file=sys.stderr, flush=True)
         live.stop(left=False)
         # Peers may still wait on this worker: leave without the shutdown barrier.

@@ -1,5 +1,7 @@
 """Composing RPC Futures without blocking threads: chain, gather, wait_first, with_timeout.
 
+Also: Batch, and logging a failure nobody waited for.
+
 python examples/futures_tour.py
 """
 
@@ -13,6 +15,10 @@ import asyncrpc
 def slow_add(x: torch.Tensor, y: float, seconds: float) -> torch.Tensor:
     time.sleep(seconds)
     return x + y
+
+
+def check_shard(name: str) -> None:
+    raise KeyError(name)
 
 
 def main(ctx: asyncrpc.Context) -> None:
@@ -51,6 +57,12 @@ def main(ctx: asyncrpc.Context) -> None:
     with asyncrpc.Batch() as batch:
         sums = [batch.rpc_async("worker1", slow_add, args=(x, i, 0.0)) for i in range(100)]
     print("Batch:", sum(float(t.sum()) for t in torch.futures.wait_all(sums)))
+
+    # A failure nobody reads is logged (WARNING, "asyncrpc" logger) once its
+    # Future is dropped; without log_unwaited_failures it would vanish.
+    asyncrpc.log_unwaited_failures()
+    asyncrpc.rpc_async("worker2", check_shard, args=("shard-7",))  # fire and forget
+    time.sleep(0.5)
 
 
 if __name__ == "__main__":

@@ -202,3 +202,6 @@ def test_futures_tour_example_prints_its_results() -> None:
         "with_timeout: the Future did not complete within 0.1 s",
         "Batch: 10100.0",
     ]
+    assert "a call nobody waited for failed: check_shard() on worker2 raised KeyError" in (
+        done.stderr
+    )

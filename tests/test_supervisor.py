@@ -147,3 +147,19 @@ def test_run_needs_a_size_without_a_launcher(monkeypatch: pytest.MonkeyPatch) ->
 
 def _module_main(ctx: object) -> None:
     pass
+
+
+def test_restart_example_resumes_from_its_checkpoint() -> None:
+    done = run_program("python", str(ROOT / "examples" / "restart.py"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        "attempt 0: starting at step 0",
+        "step 0 done",
+        "step 1 done",
+        "step 2 done",
+        "attempt 1: starting at step 3",
+        "step 3 done",
+        "step 4 done",
+        "step 5 done",
+        "attempt 1: all 6 steps done",
+    ]
