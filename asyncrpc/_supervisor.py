@@ -11,12 +11,13 @@ spawns the workers and watches them::
        |-- spawn --> worker2: init -> main(ctx) -> shutdown --'   tracebacks (pipe)
        `-- first failure: stop the rest, raise WorkerFailedError naming the worker
 
-Under a launcher, a worker that raises writes its name to the world's store;
-workers waiting in shutdown on other machines (which their own launcher
-would not stop) poll for it and leave::
+Under a launcher, every worker beats in the world's store and watches the
+others (`_liveness`): a worker that raises, a death its launcher saw, or a
+silent peer ends the world on every node, or restarts it (the launcher's
+--max-restarts). Embedded, the supervisor restarts it (`max_restarts`)::
 
-    node 0: worker0 raises --set failed=worker0--> store (node 0)
-    node 1: worker2 in shutdown <--check, every 0.5 s-- store -> exit 1
+    node 0: worker1 killed --agent: failed="worker1 ... SIGKILL"--> store
+    node 1: worker2, worker3 <--liveness thread, every 0.5 s-- store -> exit 1
 """
 
 from __future__ import annotations

@@ -129,6 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sizes", nargs="+", choices=SIZES, default=list(SIZES))
+    parser.add_argument("--transport-rounds", type=int, default=2)
     opts = parser.parse_args()
     rate = gemm_rate()
     results = {size: local_engines(*SIZES[size], opts.rounds) for size in opts.sizes}
@@ -137,7 +138,7 @@ def main() -> None:
         asyncrpc.run(spread, world_size=3, args=(opts.sizes, opts.rounds, out))
         for row in _rows(out):
             results[str(row["size"])]["spread over 2 workers"] = float(row["seconds"])  # type: ignore[arg-type]
-        for _ in range(2):  # alternate, twice: default first, then ours
+        for _ in range(opts.transport_rounds):  # alternate: torch's default first, then ours
             asyncrpc.run(transport, world_size=3, args=("torch default", out), **_TORCH_DEFAULT)
             asyncrpc.run(transport, world_size=3, args=("asyncrpc default", out))
         transports = [row for row in _rows(out) if "label" in row]

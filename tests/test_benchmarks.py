@@ -27,7 +27,7 @@ CASES = {
         ["batched / immediate updates/s"],
     ),
     "ensemble": (
-        ["--rounds", "1", "--sizes", "small"],
+        ["--rounds", "1", "--sizes", "small", "--transport-rounds", "1"],
         ["| small | serial |", "| small | threads |", "| small | spread over 2 workers |"],
     ),
     "peers": (

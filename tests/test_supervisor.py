@@ -101,25 +101,6 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def test_run_with_max_restarts_completes_after_a_kill(tmp_path: pathlib.Path) -> None:
-    journal = tmp_path / "journal"
-    done = run_program(
-        "python",
-        str(PROGRAMS / "supervised.py"),
-        "--kill",
-        "worker1",
-        "--restarts",
-        "1",
-        "--journal",
-        str(journal),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert 'RESULT {"attempt": 1, "ranks": [0, 1, 2]}' in done.stdout
-    assert "worker 'worker1' (rank 1) was killed by SIGKILL; restarting the world" in done.stderr
-    runs = sorted(journal.read_text().split("\n")[:-1])
-    assert runs == [f"worker{r} {a}" for r in range(3) for a in (0, 1)]
-
-
 def test_run_rejects_bad_max_restarts() -> None:
     import asyncrpc
 
