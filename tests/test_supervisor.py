@@ -144,3 +144,7 @@ def test_restart_example_resumes_from_its_checkpoint() -> None:
         "step 5 done",
         "attempt 1: all 6 steps done",
     ]
+    assert (
+        "worker 'worker1' (rank 1) was killed by SIGKILL; restarting the world (restart 1 of 1)"
+        in done.stderr
+    )
