@@ -12,6 +12,7 @@ message, so code written against torch keeps catching it.
 from __future__ import annotations
 
 import pickle
+import signal
 
 __all__ = [
     "AsyncRPCError",
@@ -160,21 +161,23 @@ class WorkerFailedError(AsyncRPCError):
         who = f"worker {self.name!r} (rank {self.rank})"
         if self.remote_traceback:
             return f"{who} raised:\n{self.remote_traceback.rstrip()}"
+        how = describe_exit(self.exitcode)
         if self.exitcode is not None and self.exitcode < 0:
-            import signal
-
-            try:
-                sig = signal.Signals(-self.exitcode).name
-            except ValueError:
-                sig = f"signal {-self.exitcode}"
-            return f"{who} was killed by {sig}"
-        return (
-            f"{who} exited with code {self.exitcode} without a Python traceback; "
-            f"its own output above may say why"
-        )
+            return f"{who} {how}"
+        return f"{who} {how} without a Python traceback; its own output above may say why"
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.name, self.rank, self.exitcode, self.remote_traceback))
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
+    if exitcode is None or exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"was killed by signal {-exitcode}"
 
 
 class SerializationError(AsyncRPCError, RuntimeError, TypeError, pickle.PicklingError):

@@ -301,7 +301,7 @@ def watch_unwaited(fut: object, worker: str, func: object) -> None:
             label_of(func),
             worker,
             type(named).__name__,
-            str(named).strip().splitlines()[0] if str(named).strip() else "",
+            (str(named).strip().splitlines() or [""])[0],
         )
 
     _torch.watch_unread(fut, report)

@@ -130,8 +130,8 @@ def _run_launched(
     settings: _context.Settings,
 ) -> None:
     ctx = _world.init(world_size=world_size, roles=roles, **_as_options(settings))
-    tag = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
-    live = Liveness(_world.current_store(), ctx.rank, ctx.names, tag).start()
+    # Keyed by attempt, as torchrun's agent keys its reports (_torch.watch_agent_failures).
+    live = Liveness(_world.current_store(), ctx.rank, ctx.names, str(ctx.attempt)).start()
     try:
         main(ctx, *args)
     except BaseException as error:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -297,7 +298,7 @@ def _dropped(host: Host) -> int:
         host.link,
     ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
-    return sum(int(w.rstrip(",")) for w in out.split("dropped ")[1:] for w in [w.split()[0]])
+    return sum(int(n) for n in re.findall(r"dropped (\d+)", out))
 
 
 def test_a_load_run_over_a_delaying_lossy_link_ends_every_call(hosts: tuple[Host, Host]) -> None:
