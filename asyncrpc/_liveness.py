@@ -30,12 +30,20 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from ._errors import describe_exit
 from ._torch import PrefixStore, Store
 
 __all__ = ["Liveness", "describe", "report_exits"]
 
 INTERVAL_S = 0.5
 TIMEOUT_S = 3.0
+# Raised by a store operation when the process hosting the store has ended.
+_STORE_GONE = (RuntimeError, dist.DistNetworkError)
+
+
+def _space(store: Store, tag: str) -> Store:
+    """The keys of one attempt's liveness: beats, node descriptions, failed, left, seen."""
+    return PrefixStore(f"asyncrpc/{tag}live/", store)
 
 
 def describe(name: str, rank: int) -> str:
@@ -57,7 +65,7 @@ class Liveness:
         timeout: float = TIMEOUT_S,
         on_failure: Callable[[str], None] | None = None,
     ) -> None:
-        self.space = PrefixStore(f"asyncrpc/{tag}live/", store)
+        self.space = _space(store, tag)
         self.rank, self.names = rank, names
         self.interval, self.timeout = interval, timeout
         self.on_failure = on_failure or _leave
@@ -76,7 +84,7 @@ class Liveness:
         With `defer`, first wait up to `timeout` s for another record (the cause).
         """
         deadline = time.monotonic() + (self.timeout if defer else 0)
-        with contextlib.suppress(RuntimeError, dist.DistNetworkError):
+        with contextlib.suppress(*_STORE_GONE):
             while not self.space.check(["failed"]) and time.monotonic() < deadline:
                 time.sleep(0.05)
         return self._claim(f"{describe(self.names[self.rank], self.rank)} {why}")
@@ -89,7 +97,7 @@ class Liveness:
         if left:
             try:
                 self.space.set(f"left/{self.rank}", "1")
-            except (RuntimeError, dist.DistNetworkError):
+            except _STORE_GONE:
                 pass  # the store's host has already ended: nobody is left to tell
 
     def _run(self) -> None:
@@ -102,13 +110,13 @@ class Liveness:
             try:
                 self.space.add(f"beat/{self.rank}", 1)
                 record = self._check(beats, last)
-            except (RuntimeError, dist.DistNetworkError) as error:
+            except _STORE_GONE as error:
                 if self._stop.is_set():
                     return
                 record = f"the world's store is gone ({error}); node 0 has ended"
             if record is not None:
-                with contextlib.suppress(RuntimeError, dist.DistNetworkError):
-                    self.space.add("seen", 1)  # the launcher that reported waits for this
+                with contextlib.suppress(*_STORE_GONE):
+                    self.space.set(f"seen/{self.rank}", "1")  # the reporting launcher waits
                 self.on_failure(record)
                 return
 
@@ -129,30 +137,30 @@ class Liveness:
     def _claim(self, record: str) -> str:
         try:
             return self.space.compare_set("failed", "", record).decode()
-        except (RuntimeError, dist.DistNetworkError):
+        except _STORE_GONE:
             return record
 
 
 def report_exits(
-    store: Store, tag: str, failed: list[tuple[int, int, int]], elsewhere: int
+    store: Store, tag: str, failed: list[tuple[int, int, int]], elsewhere: list[int]
 ) -> None:
     """A launcher's report of its workers' exits: to stderr, and to the world's store.
 
     The launcher on node 0 hosts the store and ends right after this: it first
-    gives the `elsewhere` workers (on other nodes) up to `timeout` s to read it.
+    gives the workers of ranks `elsewhere` (other nodes) up to `timeout` s to read it.
     """
-    space = PrefixStore(f"asyncrpc/{tag}live/", store)
+    space = _space(store, tag)
     reported = False
     for rank, pid, exitcode in failed:
         try:
             key = f"node/{rank}"
             who = space.get(key).decode() if space.check([key]) else f"rank {rank} (pid {pid})"
-        except (RuntimeError, dist.DistNetworkError):
+        except _STORE_GONE:
             who = f"rank {rank} (pid {pid})"
-        record = f"{who} {_exit_text(exitcode)}"
+        record = f"{who} {describe_exit(exitcode)}"
         try:
             first = space.compare_set("failed", "", record).decode()
-        except (RuntimeError, dist.DistNetworkError):
+        except _STORE_GONE:
             first = record  # the store ended with node 0: nobody left to tell
         if first == record:
             print(f"asyncrpc: {record}", file=sys.stderr, flush=True)
@@ -164,20 +172,12 @@ def report_exits(
         _wait_until_seen(space, elsewhere, TIMEOUT_S)
 
 
-def _wait_until_seen(space: Store, workers: int, timeout: float) -> None:
+def _wait_until_seen(space: Store, ranks: list[int], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    with contextlib.suppress(RuntimeError, dist.DistNetworkError):
-        while space.add("seen", 0) < workers and time.monotonic() < deadline:
+    keys = [f"seen/{rank}" for rank in ranks]
+    with contextlib.suppress(*_STORE_GONE):
+        while not space.check(keys) and time.monotonic() < deadline:
             time.sleep(0.05)
-
-
-def _exit_text(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return f"was killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
-    return f"exited with code {exitcode}"
 
 
 def _leave(record: str) -> None:

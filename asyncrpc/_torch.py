@@ -422,11 +422,11 @@ def bound_static_rendezvous(
 
 
 def watch_agent_failures(
-    report: Callable[[Any, str, list[tuple[int, int, int]], int], None],
+    report: Callable[[Any, str, list[tuple[int, int, int]], list[int]], None],
 ) -> None:
     """Have torchrun's agent call `report(store, attempt, [(rank, pid, exitcode)], elsewhere)`.
 
-    `elsewhere` counts the workers of the world on other nodes.
+    `elsewhere` lists the ranks of the world's workers on other nodes.
 
     The agent learns every local worker's exit (signal included) first; this
     wraps its private `_monitor_workers` so the world's store hears of it too.
@@ -445,8 +445,9 @@ def watch_agent_failures(
             attempt = str(spec.max_restarts - self._remaining_restarts)
             failed = [(rank, f.pid, f.exitcode) for rank, f in result.failures.items()]
             workers = worker_group.workers
-            elsewhere = workers[0].world_size - len(workers) if workers else 0
-            report(store, attempt, failed, elsewhere)
+            here = {w.global_rank for w in workers}
+            size = workers[0].world_size if workers else 0
+            report(store, attempt, failed, [r for r in range(size) if r not in here])
         return result
 
     monitor._asyncrpc = True  # type: ignore[attr-defined]

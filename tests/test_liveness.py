@@ -55,7 +55,7 @@ def test_a_reported_failure_reaches_every_watcher_first_report_wins() -> None:
     for live in lives[1:]:
         live.start()
     first = lives[0].report("raised KeyError: 'shard'")
-    report_exits(store, "b", [(0, 4242, -9)], elsewhere=0)  # the launcher comes second
+    report_exits(store, "b", [(0, 4242, -9)], elsewhere=[])  # the launcher comes second
     assert seen.wait(5)
     deadline = time.monotonic() + 5
     while len(records) < 2 and time.monotonic() < deadline:
@@ -65,3 +65,17 @@ def test_a_reported_failure_reaches_every_watcher_first_report_wins() -> None:
     assert records == [first, first]
     assert first.startswith("worker 'worker0' (rank 0, node ")
     assert first.endswith("raised KeyError: 'shard'")
+
+
+def test_the_reporting_launcher_waits_until_the_other_nodes_have_read_it() -> None:
+    store = _store()
+    lives, records, _ = _watchers(store, "c")
+    for live in lives[1:]:  # rank 1 shares the launcher's node, rank 2 is elsewhere
+        live.start()
+    report_exits(store, "c", [(0, 4242, -9)], elsewhere=[2])
+    space = dist.PrefixStore("asyncrpc/clive/", store)
+    assert space.check(["seen/2"]), "the launcher ended before rank 2 read the report"
+    for live in lives[1:]:
+        live.stop()
+    assert records and all(r.startswith("worker 'worker0' (rank 0") for r in records), records
+    assert records[0].endswith("was killed by SIGKILL")
