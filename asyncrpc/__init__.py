@@ -39,6 +39,7 @@ from ._handles import RemoteModule, RemoteObject, call_all, spawn
 from ._render import render_trace
 from ._supervisor import run
 from ._trace import Trace, trace
+from ._tuner import FanoutPlan
 from ._world import Context, Settings, current_context, init, shutdown
 from .futures import (
     as_completed,
@@ -61,6 +62,7 @@ __all__ = (
     "DuplicateNameError",
     "Ensemble",
     "Fanout",
+    "FanoutPlan",
     "NestedCallError",
     "NotAFutureError",
     "NotInitializedError",

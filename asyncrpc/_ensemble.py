@@ -28,8 +28,9 @@ from torch.futures import Future
 
 from . import _futures
 from ._execution import async_execution
-from ._fanout import Engine, Fanout
+from ._fanout import Fanout
 from ._handles import RemoteObject, spawn
+from ._tuner import Engine
 
 Combine = str | Callable[[list[Any]], Any]
 _MODES = ("sum", "mean", "stack")

@@ -2,9 +2,9 @@
 
 `Fanout` owns the engines and the thread budget; `fanout` is its one-shot form.
 
-    caller thread                      engine
+    caller thread                      plan (engine="auto" times them: _tuner)
     Fanout(members)(x) ──┬── "threads": a pool of `threads` Python threads,
-                         │    each with `intra` intra-op threads; torch ops
+                         │    each with `intra_op_threads`; torch ops
                          │    release the GIL, so eager modules overlap
                          ├── "fork":    one TorchScript driver forks every
                          │    member (torch.jit.fork runs in parallel only
@@ -20,18 +20,18 @@ of the cores), so N members never oversubscribe the machine.
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.futures import Future
 
 from . import _exit, _futures
+from ._pool import Pool
+from ._tuner import Engine, FanoutPlan, Ticket, Tuner, candidate_plans
 
-Engine = Literal["auto", "threads", "fork", "serial"]
 _ENGINES = ("auto", "threads", "fork", "serial")
 
 
@@ -62,71 +62,25 @@ def quiet_torchscript(show: bool = False) -> Iterator[None]:
         yield
 
 
-class _Pool:
-    """Daemon threads, each with its own intra-op thread count, fed from one queue."""
-
-    def __init__(self, size: int, intra: int) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]
-        self._jobs = queue.SimpleQueue()
-        ready = threading.Barrier(size + 1)
-        before = torch.get_num_threads()
-        self._threads = [
-            threading.Thread(
-                target=self._serve, args=(intra, ready), name=f"fanout-{i}", daemon=True
-            )
-            for i in range(size)
-        ]
-        for thread in self._threads:
-            thread.start()
-        _exit.settle_at_exit(self._threads)
-        ready.wait()
-        # torch.set_num_threads also sets the default for threads started later;
-        # put it back from a throwaway thread so this one and the pool keep theirs.
-        restore = threading.Thread(target=torch.set_num_threads, args=(before,))
-        restore.start()
-        restore.join()
-
-    def _serve(self, intra: int, ready: threading.Barrier) -> None:
-        # torch sets up a thread's intra-op count lazily from the process
-        # default on first use; do that first so it cannot undo ours later.
-        torch.get_num_threads()
-        torch.set_num_threads(intra)
-        ready.wait()
-        while (job := self._jobs.get()) is not None:
-            fn, fut = job
-            try:
-                value = fn()
-            except BaseException as error:  # delivered to the caller
-                fut.set_exception(error)
-            else:
-                fut.set_result(value)
-
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._jobs.put((fn, fut))
-        return fut
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
-
-
 class Fanout:
     """Run `members` in parallel in this process; results come back in member order.
 
     `engine` is ``"threads"`` (any eager module or function), ``"fork"``
     (TorchScript `jit.fork`; members are modules taking one Tensor and returning
-    one), ``"serial"``, or ``"auto"``: fork when every member is already a
-    ScriptModule, threads when there are several members and more than one
-    intra-op thread to share, serial otherwise. `threads` is the inter-op width
-    (default: as many as fit); each gets ``budget // threads`` intra-op threads.
-    TorchScript's deprecation warnings stay hidden unless ``show_warnings=True``.
+    one), ``"serial"``, or ``"auto"``: the first calls time each candidate
+    `FanoutPlan` (serial on the whole intra-op budget; threads at each inter-op
+    width; fork too when every member is a ScriptModule), alternating call by
+    call, and every later call uses the fastest (`plan`; None until then).
+    `threads` fixes the inter-op width; each lane gets ``budget // threads``
+    intra-op threads. TorchScript's deprecation warnings stay hidden unless
+    ``show_warnings=True``.
 
     Example::
 
         heads = asyncrpc.Fanout([torch.nn.Linear(8, 2) for _ in range(4)])
         outputs = heads(torch.rand(16, 8))          # 4 tensors, same input
         outputs = heads.map([(x0,), (x1,), (x2,), (x3,)])  # one input each
+        heads.plan    # the plan "auto" settled on, after its timed calls
     """
 
     def __init__(
@@ -140,17 +94,34 @@ class Fanout:
         self.members = _check_members(members)
         if engine not in _ENGINES:
             raise ValueError(f"engine must be one of {_ENGINES}, got {engine!r}")
+        self.engine: Engine = engine
         self.budget = torch.get_num_threads()
-        self.threads = _check_threads(threads, len(self.members), self.budget)
-        self.intra = max(1, self.budget // self.threads)
-        self.engine: Engine = _choose(engine, self.members, self.threads)
-        self._pool: _Pool | None = None
+        scripted = all(isinstance(m, torch.jit.ScriptModule) for m in self.members)
+        plans = candidate_plans(
+            engine, len(self.members), _check_threads(threads), self.budget, scripted
+        )
+        self._tuner = Tuner(plans)
+        self._pools: dict[FanoutPlan, Pool] = {}
         self._driver: torch.jit.ScriptModule | None = None
         self._lock = threading.Lock()
-        if self.engine == "fork":
+        if any(plan.engine == "fork" for plan in plans):
             self._driver = _script_driver(self.members, show_warnings)
         # Members may fork too (a scripted BiLSTM): settle torch's threads at exit.
         _exit.settle_at_exit()
+
+    @property
+    def plan(self) -> FanoutPlan | None:
+        """The plan every call uses; None while ``engine="auto"`` is still timing plans."""
+        return self._tuner.chosen
+
+    @property
+    def plans(self) -> tuple[FanoutPlan, ...]:
+        """The candidate plans: one for a fixed engine, several for ``"auto"``."""
+        return self._tuner.plans
+
+    def timings(self) -> dict[FanoutPlan, tuple[float, ...]]:
+        """Seconds of the timed calls of each candidate plan (``"auto"``'s evidence)."""
+        return self._tuner.timings()
 
     def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Call every member with the same arguments and return their results."""
@@ -184,10 +155,7 @@ class Fanout:
 
     def close(self) -> None:
         """Stop the engine's threads (also done when the `Fanout` is collected)."""
-        pool = getattr(self, "_pool", None)  # absent when __init__ raised
-        if pool is not None:
-            pool.close()
-            self._pool = None
+        self._close_pools(keep=None)
 
     def __enter__(self) -> Fanout:
         return self
@@ -196,20 +164,45 @@ class Fanout:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        if hasattr(self, "_pools"):  # absent when __init__ raised
+            self.close()
 
     def __repr__(self) -> str:
-        return (
-            f"Fanout({len(self.members)} members, engine={self.engine!r}, "
-            f"threads={self.threads}, intra_op_threads={self.intra})"
-        )
+        plan = self.plan if self.plan is not None else f"timing {len(self.plans)} plans"
+        return f"Fanout({len(self.members)} members, engine={self.engine!r}, plan={plan})"
 
     def _run(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Future[list[Any]]:
-        if self.engine == "serial":
+        plan, ticket = self._tuner.begin()
+        try:
+            fut = self._run_plan(plan, calls)
+        except BaseException:
+            if ticket is not None:
+                self._tuner.end(ticket, ok=False)
+            raise
+        if ticket is None:
+            return fut
+        # The caller sees the results only once the time is recorded, so its
+        # next call never overlaps this one in the tuner's eyes.
+        out = _futures.Settle()
+        fut.add_done_callback(lambda done: self._timed(ticket, done, out))
+        return out.future
+
+    def _timed(self, ticket: Ticket, done: Future[list[Any]], out: _futures.Settle) -> None:
+        try:
+            self._tuner.end(ticket, ok=_succeeded(done))
+            if self.plan is not None:
+                self._close_pools(keep=self.plan)
+        finally:
+            out.copy(done)
+
+    def _run_plan(
+        self, plan: FanoutPlan, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> Future[list[Any]]:
+        if plan.engine == "serial":
             return _settle(lambda: [_call(m, i, a, k) for i, (m, (a, k)) in self._pairs(calls)])
-        if self.engine == "fork":
-            return _settle(lambda: self._fork(calls))
-        pool = self._ensure_pool()
+        if plan.engine == "fork":
+            return _settle(lambda: self._fork(plan, calls))
+        pool = self._ensure_pool(plan)
         modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         futs = [pool.submit(_bind(m, i, a, k, modes)) for i, (m, (a, k)) in self._pairs(calls)]
         return _futures.gather(futs)
@@ -217,13 +210,21 @@ class Fanout:
     def _pairs(self, calls: list[Any]) -> Iterator[tuple[int, tuple[Any, Any]]]:
         return enumerate(zip(self.members, calls, strict=True))
 
-    def _ensure_pool(self) -> _Pool:
+    def _ensure_pool(self, plan: FanoutPlan) -> Pool:
         with self._lock:
-            if self._pool is None:
-                self._pool = _Pool(self.threads, self.intra)
-            return self._pool
+            pool = self._pools.get(plan)
+            if pool is None:
+                pool = self._pools[plan] = Pool(plan.threads, plan.intra_op_threads)
+            return pool
 
-    def _fork(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+    def _close_pools(self, keep: FanoutPlan | None) -> None:
+        with self._lock:
+            for plan in [p for p in self._pools if p != keep]:
+                self._pools.pop(plan).close()
+
+    def _fork(
+        self, plan: FanoutPlan, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> list[Any]:
         inputs = []
         for args, kwargs in calls:
             if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
@@ -234,7 +235,7 @@ class Fanout:
                 )
             inputs.append(args[0])
         assert self._driver is not None
-        with self._lock, _intra_op_threads(self.intra):
+        with self._lock, _intra_op_threads(plan.intra_op_threads):
             return list(self._driver(inputs))
 
 
@@ -272,20 +273,12 @@ def _check_members(members: object) -> tuple[Callable[..., Any], ...]:
     return tuple(members)
 
 
-def _check_threads(threads: object, members: int, budget: int) -> int:
+def _check_threads(threads: object) -> int | None:
     if threads is None:
-        return max(1, min(members, budget))
+        return None
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
         raise ValueError(f"threads must be a positive int, got {threads!r}")
     return threads
-
-
-def _choose(engine: Engine, members: tuple[Callable[..., Any], ...], threads: int) -> Engine:
-    if engine != "auto":
-        return engine
-    if len(members) > 1 and all(isinstance(m, torch.jit.ScriptModule) for m in members):
-        return "fork"
-    return "threads" if len(members) > 1 and threads > 1 else "serial"
 
 
 def _script_driver(members: Sequence[Callable[..., Any]], show: bool) -> torch.jit.ScriptModule:
@@ -343,6 +336,14 @@ def _bind(
             return _call(member, index, args, kwargs)
 
     return job
+
+
+def _succeeded(done: Future[Any]) -> bool:
+    try:
+        done.value()
+    except Exception:
+        return False
+    return True
 
 
 def _settle(work: Callable[[], list[Any]]) -> Future[list[Any]]:

@@ -9,7 +9,7 @@ its own type, and a callback that raises never leaves a Future pending::
     inputs:  fut_a   fut_b   fut_c        (rpc_async, RRef calls, Future())
                |       |       |   done-callbacks, on whichever thread completes them
                v       v       v
-             _Settle (first outcome wins, under a lock)
+             Settle (first outcome wins, under a lock)
                |
     output:  Future  --> .wait() / .then() / await (in async_execution)
 
@@ -68,7 +68,7 @@ def failed(error: BaseException) -> Future[Any]:
     return fut
 
 
-class _Settle:
+class Settle:
     """Completes `future` once: the first resolve/reject wins, later ones are ignored."""
 
     def __init__(self) -> None:
@@ -132,7 +132,7 @@ def chain(fut: Future[Any], *fns: Callable[[Any], Any]) -> Future[Any]:
                 f"chain: got a {type(fn).__name__} where a callable was expected; pass the "
                 f"function itself: chain(fut, f) rather than chain(fut, f(x))"
             )
-    out = _Settle()
+    out = Settle()
 
     def advance(step: int, source: Future[Any]) -> None:
         try:
@@ -161,7 +161,7 @@ def gather(futs: Iterable[Future[Any]]) -> Future[list[Any]]:
         values = asyncrpc.gather(futs).wait()
     """
     items = _futures("gather", futs)
-    out = _Settle()
+    out = Settle()
     if not items:
         out.resolve([])
         return out.future
@@ -198,7 +198,7 @@ def wait_first(futs: Iterable[Future[Any]]) -> Future[Future[Any]]:
     items = _futures("wait_first", futs)
     if not items:
         raise ValueError("wait_first needs at least one Future, got none")
-    out = _Settle()
+    out = Settle()
     for item in items:
         item.add_done_callback(out.resolve)
     return out.future
@@ -259,7 +259,7 @@ def with_timeout(fut: Future[T], seconds: float) -> Future[T]:
     """
     (source,) = _futures("with_timeout", [fut])
     delay = check_seconds("with_timeout", seconds)
-    out = _Settle()
+    out = Settle()
     alarm = _clock.call_at(
         time.monotonic() + delay,
         lambda: out.reject(TimeoutError(f"the Future did not complete within {delay:g} s")),

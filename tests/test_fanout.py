@@ -1,14 +1,18 @@
-"""Local fan-out: every engine, the automatic choice, the thread budget, bad input, warnings."""
+"""Local fan-out: every engine, the timed "auto" choice, the thread budget, bad input."""
 
 from __future__ import annotations
 
+import statistics
 import threading
+import time
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 import asyncrpc
+from asyncrpc import FanoutPlan
 
 from conftest import ROOT, run_program
 
@@ -100,10 +104,12 @@ def test_thread_engine_keeps_the_thread_budget_and_grad_mode() -> None:
 
     budget = torch.get_num_threads()
     with asyncrpc.Fanout([member] * 4, engine="threads") as fan:
-        assert fan.threads * fan.intra <= max(budget, fan.threads)
+        plan = fan.plan
+        assert plan is not None and plan.engine == "threads"
+        assert plan.threads * plan.intra_op_threads <= max(budget, plan.threads)
         with torch.no_grad():
             fan()
-    assert seen == [(fan.intra, False)] * 4
+    assert seen == [(plan.intra_op_threads, False)] * 4
     # The pool's own intra-op setting does not leak into threads started later.
     later: list[int] = []
     probe = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
@@ -112,16 +118,58 @@ def test_thread_engine_keeps_the_thread_budget_and_grad_mode() -> None:
     assert later == [budget]
 
 
-def test_auto_picks_fork_for_scripted_threads_for_eager_serial_for_one() -> None:
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """An intra-op budget of 2 whatever this machine has, so "auto" has plans to time."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_auto_offers_serial_lanes_and_fork_for_scripted_members() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         scripted = [torch.jit.script(Scale(2.0)) for _ in range(2)]
-    budget = torch.get_num_threads()
-    assert asyncrpc.Fanout(scripted).engine == "fork"
-    assert asyncrpc.Fanout([Scale(1.0)]).engine == "serial"
-    eager = asyncrpc.Fanout(_scales(2))
-    assert eager.engine == ("threads" if budget > 1 else "serial")
-    assert asyncrpc.Fanout(_scales(2), threads=1).engine == "serial"
+    serial = FanoutPlan("serial", 1, 2)
+    lanes = FanoutPlan("threads", 2, 1)
+    assert asyncrpc.Fanout(_scales(2)).plans == (serial, lanes)
+    assert asyncrpc.Fanout(scripted).plans == (serial, lanes, FanoutPlan("fork", 2, 1))
+    for fixed in (asyncrpc.Fanout([Scale(1.0)]), asyncrpc.Fanout(_scales(2), threads=1)):
+        assert fixed.plans == (serial,)
+        assert fixed.plan == serial  # nothing to time
+    assert asyncrpc.Fanout(_scales(2)).plan is None  # not timed yet
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_auto_times_each_plan_on_real_calls_then_keeps_the_fastest() -> None:
+    def nap(x: int) -> int:
+        time.sleep(0.02)  # releases the GIL: two lanes take half the time of serial
+        return x
+
+    with asyncrpc.Fanout([nap] * 4) as fan:
+        results = [fan(i) for i in range(8)]
+        assert results == [[i] * 4 for i in range(8)]  # timed calls are real calls
+        timings = fan.timings()
+        assert fan.plan == FanoutPlan("threads", 2, 1), timings
+        assert all(len(seconds) == 3 for seconds in timings.values())
+        serial, lanes = (statistics.median(timings[plan]) for plan in fan.plans)
+        assert serial > 1.5 * lanes
+        assert "threads x2" in repr(fan)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_auto_does_not_count_calls_that_overlapped() -> None:
+    def nap(x: int) -> int:
+        time.sleep(0.02)
+        return x
+
+    with asyncrpc.Fanout([nap] * 2) as fan:
+        first, second = fan.call_async(1), fan.call_async(2)
+        assert (first.wait(), second.wait()) == ([1, 1], [2, 2])
+        assert all(not seconds for seconds in fan.timings().values())
+        assert fan.plan is None
 
 
 def test_fork_engine_hides_torchscript_warnings_unless_asked() -> None:
@@ -213,8 +261,7 @@ def test_exit_hook_joins_pool_threads_and_meets_every_inter_op_thread() -> None:
 
     fan = asyncrpc.Fanout([Scale(2.0), Scale(3.0)], engine="threads", threads=2)
     fan(torch.ones(2))
-    pool = fan._pool
-    assert pool is not None
+    (pool,) = fan._pools.values()
     fan.close()
     with asyncrpc.Fanout([Wide(), Wide()], engine="fork") as forked:
         forked(torch.rand(2, 1, 16))

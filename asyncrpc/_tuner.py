@@ -1,0 +1,152 @@
+"""Fan-out plans, and the tuner that picks one by timing real calls.
+
+A plan is how a `Fanout` spends its thread budget: which engine, how many
+members at a time (inter-op width), how many intra-op threads each. Which
+plan is fastest depends on the machine and the members, not on a rule:
+
+    serial, 2 intra-op threads    one member at a time, each op on both cores
+    threads x2, 1 intra-op        two members at a time, each op on one core
+
+Lanes of one intra-op thread beat serial by at most ``budget / S``, where S is
+how much faster one member runs on the whole budget than on one thread (the
+members' own intra-op scaling). Where torch's kernels scale well (big GEMMs,
+S close to the budget) serial wins; where they scale badly (small batches,
+pointwise ops, the Python layer) lanes win. So ``engine="auto"`` measures:
+
+    call 1..n ─> the plan whose turn it is ─> time it (only calls that ran
+                 alone count; the first call of each plan warms up)
+    then      ─> the plan with the lowest median, for every later call
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+_logger = logging.getLogger("asyncrpc")
+
+Engine = Literal["auto", "threads", "fork", "serial"]
+PlanEngine = Literal["threads", "fork", "serial"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FanoutPlan:
+    """How a `Fanout` runs its members: engine, inter-op width, intra-op threads each.
+
+    Read it from `Fanout.plan` (the plan calls use) or `Fanout.plans` (the
+    candidates ``engine="auto"`` times). Example::
+
+        fan = asyncrpc.Fanout(members)      # engine="auto"
+        for _ in range(8):
+            fan(x)
+        print(fan.plan)   # FanoutPlan(engine='threads', threads=2, intra_op_threads=1)
+    """
+
+    engine: PlanEngine
+    threads: int
+    intra_op_threads: int
+
+    def __str__(self) -> str:
+        if self.engine == "serial":
+            return f"serial ({self.intra_op_threads} intra-op)"
+        return f"{self.engine} x{self.threads} ({self.intra_op_threads} intra-op each)"
+
+
+class Ticket:
+    """One timed trial call: its plan, start time, and whether it began alone."""
+
+    __slots__ = ("alone", "number", "plan", "start")
+
+    def __init__(self, plan: FanoutPlan, number: int, alone: bool) -> None:
+        self.plan, self.number, self.alone = plan, number, alone
+        self.start = time.perf_counter()
+
+
+class Tuner:
+    """Times each candidate plan on real calls, round by round, then keeps the fastest."""
+
+    def __init__(self, plans: Sequence[FanoutPlan], rounds: int = 3) -> None:
+        self.plans = tuple(plans)
+        self.rounds = rounds
+        self.chosen: FanoutPlan | None = self.plans[0] if len(self.plans) == 1 else None
+        self._samples: dict[FanoutPlan, list[float]] = {plan: [] for plan in self.plans}
+        self._warm: set[FanoutPlan] = set()
+        self._lock = threading.Lock()
+        self._started = 0
+        self._active = 0
+
+    def begin(self) -> tuple[FanoutPlan, Ticket | None]:
+        """The plan for the next call, and a ticket while plans are still being timed."""
+        with self._lock:
+            if self.chosen is not None:
+                return self.chosen, None
+            plan = min(self.plans, key=self._turns)
+            self._started += 1
+            ticket = Ticket(plan, self._started, alone=self._active == 0)
+            self._active += 1
+            return plan, ticket
+
+    def end(self, ticket: Ticket, ok: bool) -> None:
+        """Record a trial call that finished; decide once every plan has its rounds."""
+        seconds = time.perf_counter() - ticket.start
+        with self._lock:
+            self._active -= 1
+            if self.chosen is not None or not ok:
+                return
+            if ticket.plan not in self._warm:
+                self._warm.add(ticket.plan)  # first call: pools, caches, allocator
+            elif ticket.alone and self._started == ticket.number:
+                self._samples[ticket.plan].append(seconds)
+            if all(len(s) >= self.rounds for s in self._samples.values()):
+                self.chosen = min(self.plans, key=lambda p: statistics.median(self._samples[p]))
+                _logger.info("Fanout chose %s; medians: %s", self.chosen, self._describe())
+
+    def timings(self) -> dict[FanoutPlan, tuple[float, ...]]:
+        """Seconds of each plan's timed calls so far."""
+        with self._lock:
+            return {plan: tuple(samples) for plan, samples in self._samples.items()}
+
+    def _turns(self, plan: FanoutPlan) -> tuple[int, int]:
+        # Fewest timed calls first, so plans alternate call by call.
+        done = len(self._samples[plan]) + (plan in self._warm)
+        return done, self.plans.index(plan)
+
+    def _describe(self) -> str:
+        return ", ".join(
+            f"{plan} {statistics.median(samples) * 1e3:.1f} ms"
+            for plan, samples in self._samples.items()
+        )
+
+
+def candidate_plans(
+    engine: Engine, members: int, threads: int | None, budget: int, scripted: bool
+) -> list[FanoutPlan]:
+    """The plans an engine may run: one for a fixed engine, several for ``"auto"``."""
+    serial = FanoutPlan("serial", 1, budget)
+    widths = [threads] if threads is not None else _widths(members, budget)
+    lanes = [FanoutPlan("threads", w, max(1, budget // w)) for w in widths if w > 1]
+    if engine == "serial":
+        return [serial]
+    if engine in ("threads", "fork"):
+        width = threads if threads is not None else max(1, min(members, budget))
+        return [FanoutPlan(engine, width, max(1, budget // width))]
+    if members == 1:
+        return [serial]
+    forked = [FanoutPlan("fork", p.threads, p.intra_op_threads) for p in lanes[-1:]]
+    return [serial, *lanes, *(forked if scripted else [])]
+
+
+def _widths(members: int, budget: int) -> list[int]:
+    """Inter-op widths worth timing: powers of two, and every member at once, within budget."""
+    top = max(1, min(members, budget))
+    widths = {top}
+    width = 2
+    while width < top:
+        widths.add(width)
+        width *= 2
+    return sorted(widths)
