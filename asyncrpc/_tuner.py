@@ -14,7 +14,9 @@ S close to the budget) serial wins; where they scale badly (small batches,
 pointwise ops, the Python layer) lanes win. So ``engine="auto"`` measures:
 
     call 1..n ─> the plan whose turn it is ─> time it (only calls that ran
-                 alone count; the first call of each plan warms up)
+                 alone count; the first call of each plan warms up; each
+                 plan gets 3 timed calls, more for short calls: up to 0.3 s
+                 or 30 calls)
     then      ─> the plan with the lowest median, for every later call
 """
 
@@ -70,9 +72,11 @@ class Ticket:
 class Tuner:
     """Times each candidate plan on real calls, round by round, then keeps the fastest."""
 
-    def __init__(self, plans: Sequence[FanoutPlan], rounds: int = 3) -> None:
+    def __init__(
+        self, plans: Sequence[FanoutPlan], rounds: int = 3, seconds: float = 0.3, most: int = 30
+    ) -> None:
         self.plans = tuple(plans)
-        self.rounds = rounds
+        self.rounds, self.seconds, self.most = rounds, seconds, most
         self.chosen: FanoutPlan | None = self.plans[0] if len(self.plans) == 1 else None
         self._samples: dict[FanoutPlan, list[float]] = {plan: [] for plan in self.plans}
         self._warm: set[FanoutPlan] = set()
@@ -102,7 +106,7 @@ class Tuner:
                 self._warm.add(ticket.plan)  # first call: pools, caches, allocator
             elif ticket.alone and self._started == ticket.number:
                 self._samples[ticket.plan].append(seconds)
-            if all(len(s) >= self.rounds for s in self._samples.values()):
+            if all(self._enough(samples) for samples in self._samples.values()):
                 self.chosen = min(self.plans, key=lambda p: statistics.median(self._samples[p]))
                 _logger.info("Fanout chose %s; medians: %s", self.chosen, self._describe())
 
@@ -110,6 +114,12 @@ class Tuner:
         """Seconds of each plan's timed calls so far."""
         with self._lock:
             return {plan: tuple(samples) for plan, samples in self._samples.items()}
+
+    def _enough(self, samples: list[float]) -> bool:
+        # Short calls swing more on a shared machine: time them for longer.
+        if len(samples) < self.rounds:
+            return False
+        return sum(samples) >= self.seconds or len(samples) >= self.most
 
     def _turns(self, plan: FanoutPlan) -> tuple[int, int]:
         # Fewest timed calls first, so plans alternate call by call.

@@ -54,35 +54,150 @@ def _seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def local_engines(t: int, b: int, c: int, rounds: int) -> dict[str, float]:
+def build(c: int, indices: range | list[int]) -> list[torch.nn.Module]:
+    """Members as `Ensemble(..., seed=0)` builds them: member i under seed i."""
+    members = []
+    for i in indices:
+        torch.manual_seed(i)
+        members.append(BiLSTM(c))
+    return members
+
+
+def local_engines(t: int, b: int, c: int, rounds: int) -> tuple[dict[str, float], str]:
+    """Median seconds of each local way, alternated round by round; auto's plan."""
     x = torch.rand(t, b, c)
-    ways = {
-        engine: asyncrpc.Ensemble(BiLSTM, MEMBERS, c, seed=0, engine=engine)  # type: ignore[arg-type]
-        for engine in ("serial", "fork", "threads")
+    members = build(c, range(MEMBERS))
+    auto = asyncrpc.Fanout(members)
+    ways: dict[str, Callable[[], object]] = {
+        "serial, 1 intra-op thread": lambda: _one_thread(members, x),
+        "serial": _summed(asyncrpc.Fanout(members, engine="serial"), x),
     }
+    try:
+        ways["fork"] = _summed(asyncrpc.Fanout(members, engine="fork"), x)
+    except TypeError as error:  # TorchScript is deprecated and may be missing or fail
+        print(f"fork row left out: {error}", file=sys.stderr)
+    ways["threads"] = _summed(asyncrpc.Fanout(members, engine="threads"), x)
+    ways["auto"] = _summed(auto, x)
     times: dict[str, list[float]] = {name: [] for name in ways}
     with torch.no_grad():
-        reference = ways["serial"](x)
-        for name, ens in ways.items():
-            assert torch.allclose(ens(x), reference, atol=1e-5), name
+        reference = ways["serial"]()
+        trial = 0
+        while auto.plan is None:  # auto's timed calls, before the rounds
+            assert torch.allclose(_summed(auto, x)(), reference, atol=1e-4)  # type: ignore[arg-type]
+            trial += 1
+        for name, way in ways.items():
+            assert torch.allclose(way(), reference, atol=1e-4), name  # type: ignore[arg-type]
+        repeat = _repeats(ways["serial"])
         for _ in range(rounds):
-            for name, ens in ways.items():
-                times[name].append(_seconds(lambda ens=ens: ens(x)))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            for name, way in ways.items():
+                times[name].append(_mean_seconds(way, repeat))
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    scaling = medians["serial, 1 intra-op thread"] / medians["serial"]
+    budget = torch.get_num_threads()
+    return medians, (
+        f"auto chose {auto.plan} after {trial} timed calls; serial's own intra-op "
+        f"scaling S = {scaling:.2f} on {budget} threads, so {budget} one-thread lanes "
+        f"gain at most {budget / scaling:.2f}x over serial"
+    )
+
+
+def _mean_seconds(way: Callable[[], object], repeat: int) -> float:
+    start = time.perf_counter()
+    for _ in range(repeat):
+        way()
+    return (time.perf_counter() - start) / repeat
+
+
+def _repeats(way: Callable[[], object], seconds: float = 0.5) -> int:
+    """Calls per timed sample, so that a sample of a small ensemble lasts about `seconds`."""
+    return max(1, round(seconds / _seconds(way)))
+
+
+def _summed(fan: asyncrpc.Fanout, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: torch.stack(fan(x)).sum(dim=0)
+
+
+def _one_thread(members: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return torch.stack([m(x) for m in members]).sum(dim=0)
+    finally:
+        torch.set_num_threads(before)
 
 
 def spread(ctx: asyncrpc.Context, sizes: list[str], rounds: int, out: str) -> None:
-    """On worker0: time the ensemble spread over worker1 and worker2; append to `out`."""
+    """On worker0: time the ensemble spread over worker1 and worker2; append to `out`.
+
+    Also times, alternated with it, the members' compute alone on both workers
+    at once (no input or output crosses) and the traffic alone (the input out
+    to both, a zero tensor the size of a partial sum back).
+    """
     if ctx.rank != 0:
         return
+    workers = ["worker1", "worker2"]
     for size in sizes:
         t, b, c = SIZES[size]
         x = torch.rand(t, b, c)
-        ens = asyncrpc.Ensemble(BiLSTM, MEMBERS, c, seed=0, workers=["worker1", "worker2"])
+        ens = asyncrpc.Ensemble(BiLSTM, MEMBERS, c, seed=0, workers=workers)
+        halves = [list(range(0, MEMBERS // 2)), list(range(MEMBERS // 2, MEMBERS))]
         with torch.no_grad():
             ens(x)
-            times = [_seconds(lambda ens=ens, x=x: ens(x)) for _ in range(rounds)]
-        _append(out, {"size": size, "seconds": statistics.median(times)})
+            _compute_on(workers, size, halves)
+            whole = _spread_call(ens, x)
+            repeat = _repeats(whole)
+            moved = _transfer(workers, x)
+            times, compute, transfer = [], [], []
+            for _ in range(rounds):  # alternated: whole call, compute alone, transfer alone
+                times.append(_mean_seconds(whole, repeat))
+                compute.append(
+                    sum(_compute_on(workers, size, halves) for _ in range(repeat)) / repeat
+                )
+                transfer.append(_mean_seconds(moved, repeat))
+        row = {"size": size, "seconds": statistics.median(times)}
+        row["transfer"] = statistics.median(transfer)
+        _append(out, {**row, "compute": statistics.median(compute)})
+
+
+def _spread_call(ens: asyncrpc.Ensemble, x: torch.Tensor) -> Callable[[], object]:
+    return lambda: ens(x)
+
+
+def _transfer(workers: list[str], x: torch.Tensor) -> Callable[[], object]:
+    """The spread call's traffic without its compute: x out, one partial sum back each."""
+
+    def both() -> object:
+        futs = [rpc.rpc_async(w, partial_sum_shape, args=(x,)) for w in workers]
+        return [fut.wait() for fut in futs]
+
+    return both
+
+
+def partial_sum_shape(x: torch.Tensor) -> torch.Tensor:
+    """On a worker: a tensor the size of a BiLSTM output for `x` (T, B, 2C)."""
+    return torch.zeros(x.shape[0], x.shape[1], 2 * x.shape[2])
+
+
+def _compute_on(workers: list[str], size: str, halves: list[list[int]]) -> float:
+    futs = [
+        rpc.rpc_async(w, compute_seconds, args=(size, half))
+        for w, half in zip(workers, halves, strict=True)
+    ]
+    return max(fut.wait() for fut in futs)
+
+
+_held: dict[tuple[str, tuple[int, ...]], tuple[asyncrpc.Fanout, torch.Tensor]] = {}
+
+
+def compute_seconds(size: str, indices: list[int]) -> float:
+    """On a worker: seconds its members take on an input made there (built once)."""
+    key = (size, tuple(indices))
+    if key not in _held:
+        t, b, c = SIZES[size]
+        _held[key] = asyncrpc.Fanout(build(c, indices)), torch.rand(t, b, c)
+    fan, x = _held[key]
+    with torch.no_grad():
+        return _seconds(lambda: torch.stack(fan(x)).sum(dim=0))
 
 
 def _append(path: str, row: dict[str, object]) -> None:
@@ -132,26 +247,56 @@ def main() -> None:
     parser.add_argument("--transport-rounds", type=int, default=2)
     opts = parser.parse_args()
     rate = gemm_rate()
-    results = {size: local_engines(*SIZES[size], opts.rounds) for size in opts.sizes}
+    results, notes = {}, {}
+    for size in opts.sizes:
+        results[size], notes[size] = local_engines(*SIZES[size], opts.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.jsonl")
         asyncrpc.run(spread, world_size=3, args=(opts.sizes, opts.rounds, out))
+        transfers = {}
         for row in _rows(out):
-            results[str(row["size"])]["spread over 2 workers"] = float(row["seconds"])  # type: ignore[arg-type]
+            size = str(row["size"])
+            results[size]["spread over 2 workers"] = float(row["seconds"])  # type: ignore[arg-type]
+            results[size]["spread, members' compute only"] = float(row["compute"])  # type: ignore[arg-type]
+            transfers[size] = float(row["transfer"])  # type: ignore[arg-type]
         for _ in range(opts.transport_rounds):  # alternate: torch's default first, then ours
             asyncrpc.run(transport, world_size=3, args=("torch default", out), **_TORCH_DEFAULT)
             asyncrpc.run(transport, world_size=3, args=("asyncrpc default", out))
         transports = [row for row in _rows(out) if "label" in row]
+    print_engines(results, rate)
+    for size in opts.sizes:
+        print(f"{size}: {notes[size]}")
+        print(f"{size}: {where_spread_goes(results[size], transfers[size])}")
+    if transports:
+        print_transports(transports)
+
+
+def print_engines(results: dict[str, dict[str, float]], rate: float) -> None:
     print(f"GEMM rate (2048^3, {torch.get_num_threads()} threads): {rate:.0f} GFLOP/s")
     print("| size | way | ms | vs serial | of GEMM floor |\n| --- | --- | --- | --- | --- |")
-    for size in opts.sizes:
+    for size, ways in results.items():
         floor = gflop(*SIZES[size]) / rate
-        serial = results[size]["serial"]
-        for way, seconds in results[size].items():
+        for way, seconds in ways.items():
             print(
-                f"| {size} | {way} | {seconds * 1e3:.1f} | {serial / seconds:.2f}x "
+                f"| {size} | {way} | {seconds * 1e3:.1f} | {ways['serial'] / seconds:.2f}x "
                 f"| {floor / seconds:.0%} |"
             )
+
+
+def where_spread_goes(ways: dict[str, float], transfer: float) -> str:
+    """The spread call split into compute, traffic and the rest, against the best local way."""
+    whole, compute = ways["spread over 2 workers"], ways["spread, members' compute only"]
+    local = {w: s for w, s in ways.items() if not w.startswith("spread")}
+    best = min(local, key=local.__getitem__)
+    return (
+        f"spread over 2 workers {whole * 1e3:.1f} ms = members' compute {compute * 1e3:.1f} ms "
+        f"({compute / ways['threads']:.2f}x the threads engine) + transfer "
+        f"{transfer * 1e3:.1f} ms + the rest {(whole - compute - transfer) * 1e3:.1f} ms; "
+        f"{whole / local[best]:.2f}x the best local way ({best})"
+    )
+
+
+def print_transports(transports: list[dict[str, object]]) -> None:
     print("\n| transports | idle CPU per worker | small call RTT | 10 MB call RTT |")
     print("| --- | --- | --- | --- |")
     for label in ("torch default", "asyncrpc default"):

@@ -10,8 +10,8 @@ takes every core for them (the others are idle until step 4).
 1. serial: the members one after the other;
 2. directions forked: each member forks its forward LSTM in TorchScript while
    it runs the backward one (the reference tutorial's first step);
-3. members forked: the members run side by side in this process (`Ensemble`
-   picks the engine: threads for eager modules);
+3. members side by side in this process: `Fanout`'s "auto" engine times its
+   plans (serial on both cores, or one member per core) and keeps the faster;
 4. members spread over the other workers (2 by default), each running its
    members with the local fan-out.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -58,7 +59,20 @@ def scripted_forked(channels: int) -> torch.jit.ScriptModule:
     return torch.jit.script(ForkedBiLSTM(channels))
 
 
-def timed(ensemble: asyncrpc.Ensemble, x: torch.Tensor, reference: torch.Tensor | None) -> str:
+def seeded_members(channels: int) -> list[torch.nn.Module]:
+    """The members as `Ensemble(..., seed=0)` builds them: member i under seed i."""
+    members = []
+    for i in range(MEMBERS):
+        torch.manual_seed(i)
+        members.append(BiLSTM(channels))
+    return members
+
+
+def timed(
+    ensemble: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    reference: torch.Tensor | None,
+) -> str:
     with torch.no_grad():
         ensemble(x)  # warm-up
         start = time.perf_counter()
@@ -82,8 +96,16 @@ def tour(ctx: asyncrpc.Context, size: str) -> None:
     print(f"1. serial                        {timed(serial, x, None)}")
     forked = asyncrpc.Ensemble(scripted_forked, MEMBERS, c, seed=0, engine="serial")
     print(f"2. directions forked             {timed(forked, x, reference)}")
-    members = asyncrpc.Ensemble(BiLSTM, MEMBERS, c, seed=0)
-    print(f"3. members forked                {timed(members, x, reference)}")
+    fan = asyncrpc.Fanout(seeded_members(c))  # engine="auto": times its plans first
+    with torch.no_grad():
+        while fan.plan is None:
+            fan(x)
+
+    def summed(x: torch.Tensor) -> torch.Tensor:  # what Ensemble's combine="sum" does
+        return torch.stack(fan(x)).sum(dim=0)
+
+    print(f"3. members side by side          {timed(summed, x, reference)}")
+    print(f"   auto settled on: {fan.plan}")
     others = list(ctx.names[1:])
     spread = asyncrpc.Ensemble(BiLSTM, MEMBERS, c, workers=others, seed=0)
     print(f"4. members spread over {len(others)} workers {timed(spread, x, reference)}")

@@ -28,7 +28,15 @@ CASES = {
     ),
     "ensemble": (
         ["--rounds", "1", "--sizes", "small", "--transport-rounds", "1"],
-        ["| small | serial |", "| small | threads |", "| small | spread over 2 workers |"],
+        [
+            "| small | serial |",
+            "| small | threads |",
+            "| small | auto |",
+            "| small | spread over 2 workers |",
+            "| small | spread, members' compute only |",
+            "small: spread over 2 workers",
+            "small: auto chose",
+        ],
     ),
     "peers": (
         ["--calls", "3", "--rounds", "1", "--startups", "1", "--no-ray"],

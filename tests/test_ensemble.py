@@ -136,3 +136,4 @@ def test_bilstm_example_runs_its_four_steps_and_each_equals_serial() -> None:
     steps = [line for line in result.stdout.splitlines() if line[:2] in ("1.", "2.", "3.", "4.")]
     assert [s.split()[0] for s in steps] == ["1.", "2.", "3.", "4."], result.stdout
     assert sum(s.endswith("equal to serial: True") for s in steps) == 3, result.stdout
+    assert "auto settled on: " in result.stdout

@@ -149,11 +149,15 @@ def test_auto_times_each_plan_on_real_calls_then_keeps_the_fastest() -> None:
         return x
 
     with asyncrpc.Fanout([nap] * 4) as fan:
-        results = [fan(i) for i in range(8)]
-        assert results == [[i] * 4 for i in range(8)]  # timed calls are real calls
+        calls = 0
+        while fan.plan is None and calls < 100:
+            assert fan(calls) == [calls] * 4  # timed calls are real calls
+            calls += 1
         timings = fan.timings()
         assert fan.plan == FanoutPlan("threads", 2, 1), timings
-        assert all(len(seconds) == 3 for seconds in timings.values())
+        assert all(len(seconds) >= 3 for seconds in timings.values())
+        # Plans alternate until the quicker one has 0.3 s of timed calls too (~8 x 40 ms)
+        assert calls == 2 + 2 * len(timings[fan.plan]), (calls, timings)
         serial, lanes = (statistics.median(timings[plan]) for plan in fan.plans)
         assert serial > 1.5 * lanes
         assert "threads x2" in repr(fan)
