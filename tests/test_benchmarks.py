@@ -7,6 +7,8 @@ the benchmarks print ratios measured side by side, and the README quotes them.
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +67,22 @@ def test_benchmark_runs_small_and_prints_its_ratios(name: str) -> None:
         line = next((ln for ln in result.stdout.splitlines() if row in ln), None)
         assert line is not None, f"no {row!r} row in:\n{result.stdout}"
         assert re.search(r"\d+\.\d+x", line), f"no ratio in {line!r}"
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(90)
+def test_the_small_call_profile_splits_each_workers_cpu_by_thread(tmp_path: Path) -> None:
+    if shutil.which("perf") is None:
+        pytest.skip("Linux perf is not installed here")
+    script = ROOT / "benchmarks" / "profile_small_call.py"
+    result = run_program(
+        "python", str(script), "--seconds", "2", "--out", str(tmp_path), timeout=80
+    )
+    if "perf recorded nothing" in result.stderr:
+        pytest.skip(f"perf may not sample here: {result.stderr[-300:]}")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for worker in ("worker0", "worker1"):
+        line = next(ln for ln in result.stdout.splitlines() if ln.startswith(f"{worker}: "))
+        assert re.search(r": \d+ us of CPU per call \([1-9]\d* samples\)", line), line
+    assert result.stdout.count("by thread: ") == 2, result.stdout
+    assert "TensorPipe loop" in result.stdout, result.stdout
