@@ -44,7 +44,7 @@ class FanoutPlan:
     candidates ``engine="auto"`` times). Example::
 
         fan = asyncrpc.Fanout(members)      # engine="auto"
-        for _ in range(8):
+        while fan.plan is None:             # its first calls time the plans
             fan(x)
         print(fan.plan)   # FanoutPlan(engine='threads', threads=2, intra_op_threads=1)
     """
