@@ -90,7 +90,9 @@ def build(c: int, indices: range | list[int]) -> list[torch.nn.Module]:
     return members
 
 
-def local_engines(t: int, b: int, c: int, rounds: int) -> tuple[dict[str, float], str]:
+def local_engines(
+    t: int, b: int, c: int, rounds: int, sample: float
+) -> tuple[dict[str, float], str]:
     """Median seconds of each local way, alternated round by round; auto's plan."""
     x = torch.rand(t, b, c)
     members = build(c, range(MEMBERS))
@@ -114,7 +116,7 @@ def local_engines(t: int, b: int, c: int, rounds: int) -> tuple[dict[str, float]
             trial += 1
         for name, way in ways.items():
             assert torch.allclose(way(), reference, atol=1e-4), name  # type: ignore[arg-type]
-        repeat = _repeats(ways["serial"])
+        repeat = _repeats(ways["serial"], sample)
         for _ in range(rounds):
             for name, way in ways.items():
                 times[name].append(_mean_seconds(way, repeat))
@@ -135,7 +137,7 @@ def _mean_seconds(way: Callable[[], object], repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def _repeats(way: Callable[[], object], seconds: float = 0.5) -> int:
+def _repeats(way: Callable[[], object], seconds: float) -> int:
     """Calls per timed sample, so that a sample of a small ensemble lasts about `seconds`."""
     return max(1, round(seconds / _seconds(way)))
 
@@ -153,7 +155,7 @@ def _one_thread(members: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor
         torch.set_num_threads(before)
 
 
-def spread(ctx: asyncrpc.Context, sizes: list[str], rounds: int, out: str) -> None:
+def spread(ctx: asyncrpc.Context, sizes: list[str], rounds: int, sample: float, out: str) -> None:
     """On worker0: time the ensemble spread over worker1 and worker2; append to `out`.
 
     Also times, alternated with it, the members' compute alone on both workers
@@ -172,7 +174,7 @@ def spread(ctx: asyncrpc.Context, sizes: list[str], rounds: int, out: str) -> No
             ens(x)
             _compute_on(workers, size, halves)
             whole = _spread_call(ens, x)
-            repeat = _repeats(whole)
+            repeat = _repeats(whole, sample)
             moved = _transfer(workers, x)
             times, compute, transfer = [], [], []
             for _ in range(rounds):  # alternated: whole call, compute alone, transfer alone
@@ -252,19 +254,20 @@ def _round_trip(x: torch.Tensor, n: int) -> float:
     return statistics.median(times)
 
 
-def transport(ctx: asyncrpc.Context, label: str, out: str) -> None:
+def transport(ctx: asyncrpc.Context, label: str, calls: int, out: str) -> None:
     """On worker0: idle CPU of the other workers, then round trips to worker1."""
     if ctx.rank != 0:
         return
     pids = [rpc.rpc_sync(name, os.getpid) for name in ctx.names[1:]]
+    idle_s = min(3.0, calls / 500)
     time.sleep(0.5)
     before = [_cpu_seconds(p) for p in pids]
-    time.sleep(3.0)
-    idle = max((_cpu_seconds(p) - b) / 3.0 for p, b in zip(pids, before, strict=True))
+    time.sleep(idle_s)
+    idle = max((_cpu_seconds(p) - b) / idle_s for p, b in zip(pids, before, strict=True))
     small, big = torch.ones(16), torch.ones(50, 50, 1024)
-    _round_trip(small, 200)
-    row = {"label": label, "idle": idle, "small": _round_trip(small, 2000)}
-    _append(out, {**row, "big": _round_trip(big, 40)})
+    _round_trip(small, calls // 10)
+    row = {"label": label, "idle": idle, "small": _round_trip(small, calls)}
+    _append(out, {**row, "big": _round_trip(big, max(5, calls // 50))})
 
 
 def main() -> None:
@@ -272,24 +275,31 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sizes", nargs="+", choices=SIZES, default=list(SIZES))
     parser.add_argument("--transport-rounds", type=int, default=2)
+    parser.add_argument("--sample-seconds", type=float, default=0.5, help="per timed sample")
+    parser.add_argument(
+        "--transport-calls", type=int, default=2000, help="small round trips per transport round"
+    )
     opts = parser.parse_args()
     rate, kernel = gemm_rate()
     shapes = {size: shape_rate(*SIZES[size]) for size in opts.sizes}
     results, notes = {}, {}
     for size in opts.sizes:
-        results[size], notes[size] = local_engines(*SIZES[size], opts.rounds)
+        results[size], notes[size] = local_engines(*SIZES[size], opts.rounds, opts.sample_seconds)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.jsonl")
-        asyncrpc.run(spread, world_size=3, args=(opts.sizes, opts.rounds, out))
+        spread_args = (opts.sizes, opts.rounds, opts.sample_seconds, out)
+        asyncrpc.run(spread, world_size=3, args=spread_args)
         transfers = {}
         for row in _rows(out):
             size = str(row["size"])
             results[size]["spread over 2 workers"] = float(row["seconds"])  # type: ignore[arg-type]
             results[size]["spread, members' compute only"] = float(row["compute"])  # type: ignore[arg-type]
             transfers[size] = float(row["transfer"])  # type: ignore[arg-type]
+        calls = opts.transport_calls
         for _ in range(opts.transport_rounds):  # alternate: torch's default first, then ours
-            asyncrpc.run(transport, world_size=3, args=("torch default", out), **_TORCH_DEFAULT)
-            asyncrpc.run(transport, world_size=3, args=("asyncrpc default", out))
+            theirs, ours = ("torch default", calls, out), ("asyncrpc default", calls, out)
+            asyncrpc.run(transport, world_size=3, args=theirs, **_TORCH_DEFAULT)
+            asyncrpc.run(transport, world_size=3, args=ours)
         transports = [row for row in _rows(out) if "label" in row]
     print_engines(results, rate, kernel)
     for size in opts.sizes:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,54 +43,55 @@ def call_while_sampled(ctx: asyncrpc.Context, seconds: float, out: str) -> None:
     x = torch.ones(16)
     for _ in range(200):  # warm-up
         asyncrpc.rpc_sync("worker1", echo, args=(x,))
-    perfs = [_perf(pid, seconds, Path(out) / f"worker{rank}") for rank, pid in enumerate(pids)]
+    perf = _perf(pids, seconds, Path(out) / "perf")
     time.sleep(0.2)  # perf attaches
     calls, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds - 0.4:
         asyncrpc.rpc_sync("worker1", echo, args=(x,))
         calls += 1
     elapsed = time.perf_counter() - start
-    for perf in perfs:
-        perf.wait()
-    (Path(out) / "calls.txt").write_text(f"{calls} {elapsed}\n")
+    perf.wait()
+    (Path(out) / "calls.txt").write_text(f"{calls} {elapsed} {pids[0]} {pids[1]}\n")
 
 
-def _perf(pid: int, seconds: float, stem: Path) -> subprocess.Popen[bytes]:
-    command = ["perf", "record", "-e", "cpu-clock", "-F", str(HZ), "-g", "-p", str(pid)]
+def _perf(pids: list[int], seconds: float, stem: Path) -> subprocess.Popen[bytes]:
+    command = ["perf", "record", "-e", "cpu-clock", "-F", str(HZ), "-p", ",".join(map(str, pids))]
     command += ["-o", f"{stem}.data", "--", "sleep", str(seconds)]
     log = stem.with_suffix(".log").open("w")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
-def report(data: Path, sort: str) -> list[tuple[float, list[str]]]:
-    """`perf report` rows as (percent, keys), self time only."""
-    command = ["perf", "report", "-i", str(data), "--stdio", "--no-children", "-g", "none"]
-    command += ["--sort", sort, "--percent-limit", "0.3"]
+_SAMPLE = re.compile(r"^\s*(.+?)\s+(\d+)\s+[0-9a-f]+\s+(.*?)\s+\((.*)\)\s*$")
+
+
+def read_samples(data: Path) -> list[tuple[int, str, str, str]]:
+    """(pid, thread role, symbol, library) of every sample perf took."""
+    command = ["perf", "script", "-i", str(data), "-F", "comm,pid,ip,sym,dso"]
     text = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    rows = []
+    found = []
     for line in text.splitlines():
-        if line.strip() and not line.startswith("#") and line.strip()[0].isdigit():
-            percent, *keys = line.split(maxsplit=len(sort.split(",")))
-            rows.append((float(percent.rstrip("%")), [k.strip() for k in keys]))
-    return rows
+        match = _SAMPLE.match(line)
+        if match:
+            comm, pid, sym, dso = match.groups()
+            found.append((int(pid), _role(comm), sym or "?", Path(dso).name))
+    return found
 
 
-def samples(data: Path) -> int:
-    command = ["perf", "script", "-i", str(data), "-F", "tid"]
-    return len(subprocess.run(command, capture_output=True, text=True).stdout.splitlines())
-
-
-def summarize(name: str, data: Path, calls: int) -> list[str]:
-    total = samples(data)
-    lines = [f"{name}: {total / HZ / calls * 1e6:.0f} us of CPU per call ({total} samples)"]
-    threads: collections.Counter[str] = collections.Counter()
-    for percent, (comm, dso) in report(data, "comm,dso"):
-        threads[_role(comm)] += percent
-        lines.append(f"  {percent:5.1f}%  {_role(comm):28} {dso}")
-    lines.insert(1, "  by thread: " + ", ".join(f"{r} {p:.0f}%" for r, p in threads.most_common()))
+def summarize(name: str, mine: list[tuple[int, str, str, str]], calls: int) -> list[str]:
+    """The worker's CPU per call, by thread and library, then its hottest symbols."""
+    total = max(1, len(mine))
+    threads = collections.Counter(role for _, role, _, _ in mine)
+    places = collections.Counter((role, dso) for _, role, _, dso in mine)
+    symbols = collections.Counter((role, sym) for _, role, sym, _ in mine)
+    lines = [
+        f"{name}: {len(mine) / HZ / calls * 1e6:.0f} us of CPU per call ({len(mine)} samples)"
+    ]
+    lines.append(
+        "  by thread: " + ", ".join(f"{r} {n / total:.0%}" for r, n in threads.most_common())
+    )
+    lines += [f"  {n / total:6.1%}  {r:16} {dso}" for (r, dso), n in places.most_common(12)]
     lines.append("  hottest symbols:")
-    for percent, (comm, sym) in report(data, "comm,sym")[:10]:
-        lines.append(f"  {percent:5.1f}%  {_role(comm):28} {sym[:70]}")
+    lines += [f"  {n / total:6.1%}  {r:16} {sym[:70]}" for (r, sym), n in symbols.most_common(10)]
     return lines
 
 
@@ -111,15 +113,16 @@ def main() -> None:
     out = Path(opts.out)
     out.mkdir(exist_ok=True)
     asyncrpc.run(call_while_sampled, world_size=2, args=(opts.seconds, str(out)))
-    for rank in (0, 1):
-        if not (out / f"worker{rank}.data").exists():
-            log = (out / f"worker{rank}.log").read_text()[-400:]
-            sys.exit(f"perf recorded nothing for worker{rank} (perf_event_paranoid?): {log}")
-    calls, elapsed = (out / "calls.txt").read_text().split()
+    if not (out / "perf.data").exists():
+        log = (out / "perf.log").read_text()[-400:]
+        sys.exit(f"perf recorded nothing (perf_event_paranoid?): {log}")
+    calls, elapsed, *pids = (out / "calls.txt").read_text().split()
     per_call = float(elapsed) / int(calls) * 1e6
     print(f"{calls} rpc_sync calls in {float(elapsed):.1f} s: {per_call:.0f} us each, sampled")
-    for rank in (0, 1):
-        print("\n".join(summarize(f"worker{rank}", out / f"worker{rank}.data", int(calls))))
+    found = read_samples(out / "perf.data")
+    for rank, pid in enumerate(pids):
+        mine = [sample for sample in found if sample[0] == int(pid)]
+        print("\n".join(summarize(f"worker{rank}", mine, int(calls))))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ CASES = {
         ["batched / immediate updates/s"],
     ),
     "ensemble": (
-        ["--rounds", "1", "--sizes", "small", "--transport-rounds", "1"],
+        "--rounds 1 --sizes small --transport-rounds 1 --sample-seconds 0.05 "
+        "--transport-calls 200".split(),
         [
             "| small | serial |",
             "| small | threads |",
