@@ -16,7 +16,8 @@ pointwise ops, the Python layer) lanes win. So ``engine="auto"`` measures:
     call 1..n ─> the plan whose turn it is ─> time it (only calls that ran
                  alone count; the first call of each plan warms up; each
                  plan gets 3 timed calls, more for short calls: up to 0.3 s
-                 or 30 calls)
+                 or 30 calls; callers that always overlap end it after 30
+                 calls per plan)
     then      ─> the plan with the lowest median, for every later call
 """
 
@@ -107,8 +108,17 @@ class Tuner:
             elif ticket.alone and self._started == ticket.number:
                 self._samples[ticket.plan].append(seconds)
             if all(self._enough(samples) for samples in self._samples.values()):
-                self.chosen = min(self.plans, key=lambda p: statistics.median(self._samples[p]))
-                _logger.info("Fanout chose %s; medians: %s", self.chosen, self._describe())
+                self._choose()
+            elif self._started >= self.most * len(self.plans):
+                self._choose()  # calls keep overlapping: settle on what was timed
+
+    def _choose(self) -> None:
+        timed = [plan for plan in self.plans if self._samples[plan]]
+        if not timed:  # nothing ran alone: lanes if there are any, else serial
+            self.chosen = self.plans[min(1, len(self.plans) - 1)]
+        else:
+            self.chosen = min(timed, key=lambda p: statistics.median(self._samples[p]))
+        _logger.info("Fanout chose %s; medians: %s", self.chosen, self._describe())
 
     def timings(self) -> dict[FanoutPlan, tuple[float, ...]]:
         """Seconds of each plan's timed calls so far."""
@@ -130,6 +140,7 @@ class Tuner:
         return ", ".join(
             f"{plan} {statistics.median(samples) * 1e3:.1f} ms"
             for plan, samples in self._samples.items()
+            if samples
         )
 
 

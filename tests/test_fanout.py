@@ -13,6 +13,7 @@ import torch
 
 import asyncrpc
 from asyncrpc import FanoutPlan
+from asyncrpc._tuner import Tuner
 
 from conftest import ROOT, run_program
 
@@ -161,6 +162,18 @@ def test_auto_times_each_plan_on_real_calls_then_keeps_the_fastest() -> None:
         serial, lanes = (statistics.median(timings[plan]) for plan in fan.plans)
         assert serial > 1.5 * lanes
         assert "threads x2" in repr(fan)
+
+
+def test_the_tuner_settles_even_when_calls_always_overlap() -> None:
+    plans = [FanoutPlan("serial", 1, 2), FanoutPlan("threads", 2, 1)]
+    tuner = Tuner(plans, most=5)
+    for _ in range(5):
+        (_, first), (_, second) = tuner.begin(), tuner.begin()
+        assert first is not None and second is not None
+        tuner.end(first, ok=True)
+        tuner.end(second, ok=True)
+    assert tuner.chosen == plans[1]  # nothing ran alone: lanes
+    assert tuner.timings() == {plan: () for plan in plans}
 
 
 @pytest.mark.usefixtures("two_threads")
