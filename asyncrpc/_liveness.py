@@ -83,11 +83,9 @@ class Liveness:
 
         With `defer`, first wait up to `timeout` s for another record (the cause).
         """
-        deadline = time.monotonic() + (self.timeout if defer else 0)
-        with contextlib.suppress(*_STORE_GONE):
-            while not self.space.check(["failed"]) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        return self._claim(f"{describe(self.names[self.rank], self.rank)} {why}")
+        if defer:
+            _wait_for(self.space, ["failed"], self.timeout)
+        return _claim(self.space, f"{describe(self.names[self.rank], self.rank)} {why}")
 
     def stop(self, left: bool = True) -> None:
         """Stop beating; with `left`, peers know this worker ended on purpose."""
@@ -131,14 +129,16 @@ class Liveness:
             elif now - since > self.timeout and not self.space.check([f"left/{rank}"]):
                 where = self.space.get(f"node/{rank}").decode()
                 silent = f"stopped beating {now - since:.1f} s ago (killed, or hung)"
-                return self._claim(f"{where} {silent}")
+                return _claim(self.space, f"{where} {silent}")
         return None
 
-    def _claim(self, record: str) -> str:
-        try:
-            return self.space.compare_set("failed", "", record).decode()
-        except _STORE_GONE:
-            return record
+
+def _claim(space: Store, record: str) -> str:
+    """Write `record` as the world's failure unless one is there; returns the one that won."""
+    try:
+        return space.compare_set("failed", "", record).decode()
+    except _STORE_GONE:
+        return record  # the store ended with node 0: nobody is left to tell
 
 
 def report_exits(
@@ -158,10 +158,7 @@ def report_exits(
         except _STORE_GONE:
             who = f"rank {rank} (pid {pid})"
         record = f"{who} {describe_exit(exitcode)}"
-        try:
-            first = space.compare_set("failed", "", record).decode()
-        except _STORE_GONE:
-            first = record  # the store ended with node 0: nobody left to tell
+        first = _claim(space, record)
         if first == record:
             print(f"asyncrpc: {record}", file=sys.stderr, flush=True)
             reported = True
@@ -169,12 +166,12 @@ def report_exits(
             print(f"asyncrpc: {record}, after {first}", file=sys.stderr, flush=True)
 
     if reported and elsewhere:
-        _wait_until_seen(space, elsewhere, TIMEOUT_S)
+        _wait_for(space, [f"seen/{rank}" for rank in elsewhere], TIMEOUT_S)
 
 
-def _wait_until_seen(space: Store, ranks: list[int], timeout: float) -> None:
+def _wait_for(space: Store, keys: list[str], timeout: float) -> None:
+    """Poll until every key is in the store, at most `timeout` s (or until the store ends)."""
     deadline = time.monotonic() + timeout
-    keys = [f"seen/{rank}" for rank in ranks]
     with contextlib.suppress(*_STORE_GONE):
         while not space.check(keys) and time.monotonic() < deadline:
             time.sleep(0.05)
