@@ -30,7 +30,7 @@ import asyncrpc
 
 # The example's model, so that the benchmark measures exactly what it runs.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from bilstm_ensemble import BiLSTM
+from bilstm_ensemble import BiLSTM, seeded_members
 
 SIZES = {"reference": (50, 50, 1024), "small": (50, 8, 256)}
 MEMBERS = 4
@@ -60,14 +60,10 @@ def shape_rate(t: int, b: int, c: int) -> float:
     """GFLOP/s of an LSTM's own GEMMs: the input one (T*B rows) and the recurrent one (B rows)."""
     w = torch.rand(4 * c, c)
     x, h = torch.rand(t * b, c), torch.rand(b, c)
-    flops = 2 * t * b * c * 4 * c
-    seconds = flops / _gflops(lambda: torch.nn.functional.linear(x, w), flops)
-    seconds += (
-        t
-        * (2 * b * c * 4 * c)
-        / _gflops(lambda: torch.nn.functional.linear(h, w), 2 * b * c * 4 * c)
-    )
-    return 2 * flops / seconds
+    step = 2 * b * c * 4 * c  # one time step's GEMM; the input GEMM does T of them at once
+    seconds = t * step / _gflops(lambda: torch.nn.functional.linear(x, w), t * step)
+    seconds += t * step / _gflops(lambda: torch.nn.functional.linear(h, w), step)
+    return 2 * t * step / seconds
 
 
 def _gflops(fn: Callable[[], object], flops: float) -> float:
@@ -81,21 +77,12 @@ def _seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def build(c: int, indices: range | list[int]) -> list[torch.nn.Module]:
-    """Members as `Ensemble(..., seed=0)` builds them: member i under seed i."""
-    members = []
-    for i in indices:
-        torch.manual_seed(i)
-        members.append(BiLSTM(c))
-    return members
-
-
 def local_engines(
     t: int, b: int, c: int, rounds: int, sample: float
 ) -> tuple[dict[str, float], str]:
     """Median seconds of each local way, alternated round by round; auto's plan."""
     x = torch.rand(t, b, c)
-    members = build(c, range(MEMBERS))
+    members = seeded_members(c)
     auto = asyncrpc.Fanout(members)
     ways: dict[str, Callable[[], object]] = {
         "serial, 1 intra-op thread": lambda: _one_thread(members, x),
@@ -223,10 +210,10 @@ def compute_seconds(size: str, indices: list[int]) -> float:
     key = (size, tuple(indices))
     if key not in _held:
         t, b, c = SIZES[size]
-        _held[key] = asyncrpc.Fanout(build(c, indices)), torch.rand(t, b, c)
+        _held[key] = asyncrpc.Fanout(seeded_members(c, indices)), torch.rand(t, b, c)
     fan, x = _held[key]
     with torch.no_grad():
-        return _seconds(lambda: torch.stack(fan(x)).sum(dim=0))
+        return _seconds(_summed(fan, x))
 
 
 def _append(path: str, row: dict[str, object]) -> None:

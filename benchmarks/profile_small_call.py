@@ -50,7 +50,7 @@ def call_while_sampled(ctx: asyncrpc.Context, seconds: float, out: str) -> None:
         asyncrpc.rpc_sync("worker1", echo, args=(x,))
         calls += 1
     elapsed = time.perf_counter() - start
-    perf.wait()
+    perf.wait(timeout=seconds + 60)  # perf ends with its `sleep`; bounded all the same
     (Path(out) / "calls.txt").write_text(f"{calls} {elapsed} {pids[0]} {pids[1]}\n")
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -59,10 +59,12 @@ def scripted_forked(channels: int) -> torch.jit.ScriptModule:
     return torch.jit.script(ForkedBiLSTM(channels))
 
 
-def seeded_members(channels: int) -> list[torch.nn.Module]:
+def seeded_members(
+    channels: int, indices: Iterable[int] = range(MEMBERS)
+) -> list[torch.nn.Module]:
     """The members as `Ensemble(..., seed=0)` builds them: member i under seed i."""
     members = []
-    for i in range(MEMBERS):
+    for i in indices:
         torch.manual_seed(i)
         members.append(BiLSTM(channels))
     return members
