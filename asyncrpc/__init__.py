@@ -13,9 +13,8 @@ Example::
 """
 
 from ._batch import Batch
-from ._calls import remote, rpc_async, rpc_sync
-from ._ensemble import Ensemble
-from ._errors import (
+from ._core._calls import remote, rpc_async, rpc_sync
+from ._core._errors import (
     AsyncRPCError,
     AwaitedNonFutureError,
     CallTimeoutError,
@@ -32,15 +31,16 @@ from ._errors import (
     WorkerUnreachableError,
     WorldSizeMismatchError,
 )
-from ._execution import async_execution, enable_await
-from ._failures import log_unwaited_failures
-from ._fanout import Fanout, fanout
+from ._core._execution import async_execution, enable_await
+from ._core._failures import log_unwaited_failures
+from ._core._world import Context, Settings, current_context, init, shutdown
+from ._ensemble import Ensemble
+from ._fanout._fanout import Fanout, fanout
+from ._fanout._tuner import FanoutPlan
 from ._handles import RemoteModule, RemoteObject, call_all, spawn
-from ._render import render_trace
-from ._supervisor import run
-from ._trace import Trace, trace
-from ._tuner import FanoutPlan
-from ._world import Context, Settings, current_context, init, shutdown
+from ._launch._supervisor import run
+from ._trace._render import render_trace
+from ._trace._trace import Trace, trace
 from .futures import (
     as_completed,
     chain,

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from . import _calls, _torch
-from ._failures import check_reply
-from ._futures import completed
+from ._core import _calls, _torch
+from ._core._failures import check_reply
+from ._core._futures import completed
 
 __all__ = ["Batch", "run_batch"]
 

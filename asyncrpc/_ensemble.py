@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from . import _futures
-from ._execution import async_execution
-from ._fanout import Fanout
+from ._core import _futures
+from ._core._execution import async_execution
+from ._fanout._fanout import Fanout
+from ._fanout._tuner import Engine
 from ._handles import RemoteObject, spawn
-from ._tuner import Engine
 
 Combine = str | Callable[[list[Any]], Any]
 _MODES = ("sum", "mean", "stack")

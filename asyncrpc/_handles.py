@@ -30,9 +30,9 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from . import _calls, _torch
-from ._execution import async_execution, start_coroutine
-from ._futures import completed, gather
+from ._core import _calls, _torch
+from ._core._execution import async_execution, start_coroutine
+from ._core._futures import completed, gather
 
 __all__ = ["RemoteModule", "RemoteObject", "call_all", "spawn"]
 

@@ -7,7 +7,7 @@ Example::
     values = futures.gather([asyncrpc.rpc_async(n, f) for n in ctx.names]).wait()
 """
 
-from ._futures import (
+from ._core._futures import (
     as_completed,
     chain,
     completed,

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import asyncrpc
-from asyncrpc import _failures
+from asyncrpc._core import _failures
 
 WHERE = "worker 'worker1' (rank 1)"
 

@@ -13,7 +13,7 @@ import torch
 
 import asyncrpc
 from asyncrpc import FanoutPlan
-from asyncrpc._tuner import Tuner
+from asyncrpc._fanout._tuner import Tuner
 
 from conftest import ROOT, run_program
 
@@ -273,8 +273,8 @@ def test_fork_basics_example_prints_the_reference_results() -> None:
 
 
 def test_exit_hook_joins_pool_threads_and_meets_every_inter_op_thread() -> None:
-    # What keeps a process from aborting at exit after fan-out (asyncrpc/_exit.py).
-    from asyncrpc import _exit
+    # What keeps a process from aborting at exit after fan-out (asyncrpc/_fanout/_exit.py).
+    from asyncrpc._fanout import _exit
 
     fan = asyncrpc.Fanout([Scale(2.0), Scale(3.0)], engine="threads", threads=2)
     fan(torch.ones(2))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from asyncrpc import _launch
+from asyncrpc._launch import _cli as _launch
 
 from conftest import PROGRAMS, bin_path, run_program
 

@@ -99,7 +99,7 @@ def launch_on_both(
     procs = []
     for rank, host in enumerate(hosts):
         named = ["--interface", host.link] if interface and rank == 1 else []
-        launcher = [sys.executable, "-m", "asyncrpc._launch", "--nnodes", "2"]
+        launcher = [sys.executable, "-m", "asyncrpc._launch._cli", "--nnodes", "2"]
         launcher += ["--node-rank", str(rank), "--rdzv-endpoint", f"{ADDRESSES[0]}:{PORT}"]
         launcher += ["--nproc-per-node", "2", *launcher_args, *named, script, *args]
         procs.append(start_program("ip", "netns", "exec", host.namespace, *launcher, env={}))

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from asyncrpc import _net
+from asyncrpc._core import _net
 
 from conftest import PROGRAMS, bin_path, start_program
 from test_supervisor import _wait_for_pids

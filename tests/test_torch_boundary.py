@@ -1,6 +1,6 @@
 """Every private torch name and message text asyncrpc relies on, checked against this torch.
 
-asyncrpc/_torch.py is the only module that touches them; if an upgrade of torch
+asyncrpc/_core/_torch.py is the only module that touches them; if an upgrade of torch
 moves one, a test here fails by name.
 """
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 import asyncrpc
-from asyncrpc import _torch
+from asyncrpc._core import _torch
 
 from conftest import PROGRAMS, run_program
 
@@ -126,7 +126,7 @@ def test_reads_of_a_sent_future_name_torchs_failure(world: asyncrpc.Context) -> 
 
 
 def test_world_caches_worker_infos(world: asyncrpc.Context) -> None:
-    from asyncrpc import _world
+    from asyncrpc._core import _world
 
     current = _world.current_world("test")
     info = current.info("worker1")

@@ -38,7 +38,7 @@ def _run_torch_tests(script: str, names: list[str], marker: str) -> None:
 @pytest.mark.subprocess
 @pytest.mark.timeout(400)
 def test_torch_async_execution_tests_pass_with_our_decorator() -> None:
-    _run_torch_tests(SCRIPT, SUBSET, "async_execution under test: asyncrpc._execution")
+    _run_torch_tests(SCRIPT, SUBSET, "async_execution under test: asyncrpc._core._execution")
 
 
 CALLS_SUBSET = [
@@ -51,4 +51,4 @@ CALLS_SUBSET = [
 @pytest.mark.subprocess
 @pytest.mark.timeout(400)
 def test_torch_rpc_tests_pass_with_our_calls() -> None:
-    _run_torch_tests(CALLS_SCRIPT, CALLS_SUBSET, "rpc verbs under test: asyncrpc._calls")
+    _run_torch_tests(CALLS_SCRIPT, CALLS_SUBSET, "rpc verbs under test: asyncrpc._core._calls")

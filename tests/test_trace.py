@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import asyncrpc
-from asyncrpc import _render, _trace
+from asyncrpc._trace import _render, _trace
 
 from conftest import ROOT, run_program
 

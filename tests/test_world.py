@@ -3,7 +3,7 @@
 import pytest
 
 import asyncrpc
-from asyncrpc import _context
+from asyncrpc._core import _context
 
 from conftest import PROGRAMS, free_port, run_program
 

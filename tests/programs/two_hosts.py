@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 import asyncrpc
-from asyncrpc import _net
+from asyncrpc._core import _net
 
 T = TypeVar("T")
 

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from . import _timeline, _torch, _world
-from ._errors import AsyncRPCError
+from .._core import _torch, _world
+from .._core._errors import AsyncRPCError
+from . import _timeline
 
 __all__ = ["Trace", "outgoing", "recording", "trace"]
 

@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from ._errors import describe_exit
-from ._torch import PrefixStore, Store
+from .._core._errors import describe_exit
+from .._core._torch import PrefixStore, Store
 
 __all__ = ["Liveness", "describe", "report_exits"]
 

@@ -21,7 +21,7 @@ way whichever verb made the call::
 
 No callback runs per call: `rpc_async` returns torch's own Future, whose
 value passes torch's unwrap hook (check_reply) and whose failure is named
-when it is read (see asyncrpc/_torch.py, name_future_failures); `rpc_sync`
+when it is read (see asyncrpc/_core/_torch.py, name_future_failures); `rpc_sync`
 reads the reply on the waiting thread.
 """
 
@@ -38,7 +38,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from . import _failures, _torch, _trace, _world
+from .._trace import _trace
+from . import _failures, _torch, _world
 from ._errors import NestedCallError, UnknownWorkerError
 from ._failures import check_reply, label_of
 from ._futures import check_seconds, completed

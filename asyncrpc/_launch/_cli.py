@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _net, _rendezvous
+from .._core import _net, _rendezvous
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -53,7 +53,7 @@ examples:
 def _handler_class() -> type[Any]:
     # torch's rendezvous package loads the `torchrun.handlers` entry points while
     # it initializes, and that entry point is this module: import it lazily.
-    from . import _torch
+    from .._core import _torch
 
     return _torch.bound_static_rendezvous(
         BACKEND, _rendezvous.host_store, _rendezvous.client_store
@@ -74,7 +74,8 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
             f"the {BACKEND!r} rendezvous needs a port in --rdzv-endpoint HOST:PORT, "
             f"got {params.endpoint!r}"
         )
-    from . import _liveness, _torch
+    from .._core import _torch
+    from . import _liveness
 
     # This process is the agent: let it name the workers it sees die.
     _torch.watch_agent_failures(_liveness.report_exits)
@@ -161,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of `asyncrpc-launch`."""
     from torch.distributed.run import run
 
-    from . import _torch
+    from .._core import _torch
 
     args = build_args(sys.argv[1:] if argv is None else argv)
     _torch.register_rendezvous(BACKEND, _create_handler)

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from . import _exit, _futures
+from .._core import _futures
+from . import _exit
 from ._pool import Pool
 from ._tuner import Engine, FanoutPlan, Ticket, Tuner, candidate_plans
 

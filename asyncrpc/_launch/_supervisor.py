@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from . import _context, _rendezvous, _world
-from ._errors import WorkerFailedError, WorkerUnreachableError
+from .._core import _context, _rendezvous, _world
+from .._core._errors import WorkerFailedError, WorkerUnreachableError
 from ._liveness import Liveness
 
 __all__ = ["run"]

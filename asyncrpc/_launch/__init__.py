@@ -1,0 +1,1 @@
+"""Launching and supervising worlds: asyncrpc.run, asyncrpc-launch, liveness."""

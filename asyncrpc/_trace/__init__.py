@@ -1,0 +1,1 @@
+"""One merged trace for a world: recording every worker, merging, drawing."""
