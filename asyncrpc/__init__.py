@@ -31,8 +31,9 @@ from ._core._errors import (
     WorkerUnreachableError,
     WorldSizeMismatchError,
 )
-from ._core._execution import async_execution, enable_await
+from ._core._execution import async_execution
 from ._core._failures import log_unwaited_failures
+from ._core._futures import enable_await
 from ._core._world import Context, Settings, current_context, init, shutdown
 from ._ensemble import Ensemble
 from ._fanout._fanout import Fanout, fanout

@@ -38,7 +38,6 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from .._trace import _trace
 from . import _failures, _torch, _world
 from ._errors import NestedCallError, UnknownWorkerError
 from ._failures import check_reply, label_of
@@ -57,6 +56,7 @@ __all__ = [
     "run_python_async",
     "send",
     "send_remote",
+    "set_outgoing_hook",
 ]
 
 T = TypeVar("T")
@@ -286,10 +286,25 @@ def call_sync(call: Call) -> Any:
     return check_reply(value)
 
 
+# While a trace records (asyncrpc._trace), it swaps each outgoing function for a
+# recording one and gets a callback for the reply; the core knows only this hook.
+OutgoingHook: TypeAlias = Callable[
+    [str, Callable[..., Any]], tuple[Callable[..., Any], Callable[[Any], None] | None]
+]
+_outgoing: OutgoingHook | None = None
+
+
+def set_outgoing_hook(hook: OutgoingHook | None) -> None:
+    """Have every call pass through `hook(worker, func) -> (sent, on_reply)`; None: off."""
+    global _outgoing
+    _outgoing = hook
+
+
 def _traced(worker: str, func: Callable[..., Any]) -> tuple[Callable[..., Any], Any]:
-    if not _trace.recording():
+    hook = _outgoing
+    if hook is None:
         return func, None  # the common case costs one global read
-    return _trace.outgoing(worker, func)
+    return hook(worker, func)
 
 
 def _wrapped(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -85,6 +85,10 @@ class Context:
     names: tuple[str, ...]
     roles: tuple[tuple[str, int], ...] = ()
     attempt: int = 0
+    # How `with ctx:` leaves the world; the world that made this context sets it.
+    _leave: Callable[[bool], None] | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def role(self) -> str | None:
@@ -113,9 +117,8 @@ class Context:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        from ._world import shutdown
-
-        shutdown(graceful=exc_type is None)
+        if self._leave is not None:
+            self._leave(exc_type is None)
 
 
 def names_for(world_size: int, roles: Mapping[str, int] | None) -> tuple[str, ...]:

@@ -18,10 +18,10 @@ Failures travel as a `Failure` value (see `_failures`): an asyncrpc caller
 raises the exception with its own type, a plain torch caller a RuntimeError
 naming it; locally the Future's `wait()` raises it.
 
-torch Futures become awaitable (`await fut`) once asyncrpc needs it: when an
-`async def` is decorated here or an asyncrpc world starts (or is adopted).
-Inside an `async_execution` coroutine the coroutine is suspended until the
-Future is done; under a running asyncio loop the Future is bridged to it.
+torch Futures become awaitable (`await fut`, see `_futures.enable_await`)
+once asyncrpc needs it: when an `async def` is decorated here or a world
+starts (or is adopted). Inside an `async_execution` coroutine the coroutine
+is suspended until the Future is done; its `_Task` resumes it.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import threading
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 import torch
@@ -38,8 +37,9 @@ from torch.futures import Future
 
 from . import _failures, _torch
 from ._errors import AwaitedNonFutureError, NotAFutureError
+from ._futures import driving, enable_await
 
-__all__ = ["async_execution", "enable_await", "start_coroutine"]
+__all__ = ["async_execution", "start_coroutine"]
 
 F = TypeVar("F")
 
@@ -143,7 +143,7 @@ class _Task:
         self._name = _name(fn)
 
     def step(self, error: BaseException | None = None) -> None:
-        outer, _driving.active = getattr(_driving, "active", False), True
+        outer, driving.active = getattr(driving, "active", False), True
         try:
             awaited = self._coro.throw(error) if error else self._coro.send(None)
         except StopIteration as stop:
@@ -154,7 +154,7 @@ class _Task:
             self._out.set_result(failure)
             return
         finally:
-            _driving.active = outer
+            driving.active = outer
         if isinstance(awaited, _torch.FutureType):
             awaited.add_done_callback(self._resume)
         else:
@@ -200,17 +200,6 @@ def _describe_self() -> str:
     return describe_self()
 
 
-def enable_await() -> None:
-    """Make torch Futures awaitable (`await fut`); asyncrpc calls it when it needs to.
-
-    Kept if torch ever ships its own `__await__`. Example::
-
-        asyncrpc.enable_await()
-        result = await asyncrpc.rpc_async("worker1", torch.add, args=(x, 1))
-    """
-    _torch.install_await(_await_future)
-
-
 def _name(fn: object) -> str:
     return f"{getattr(fn, '__qualname__', fn)}()"
 
@@ -218,39 +207,3 @@ def _name(fn: object) -> str:
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-# ---- making torch Futures awaitable --------------------------------------------------
-
-_driving = threading.local()
-
-
-def _await_future(fut: Future[Any]) -> Generator[Any, None, Any]:
-    if not fut.done():
-        loop = None if getattr(_driving, "active", False) else _running_loop()
-        if loop is None:
-            yield fut  # an async_execution _Task resumes us when fut is done
-        else:
-            yield from _bridge(fut, loop)
-    return fut.wait()
-
-
-def _bridge(fut: Future[Any], loop: asyncio.AbstractEventLoop) -> Generator[Any, None, None]:
-    waiter = loop.create_future()
-
-    def wake() -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    def on_done(_: Future[Any]) -> None:
-        loop.call_soon_threadsafe(wake)
-
-    fut.add_done_callback(on_done)
-    yield from waiter
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None

@@ -1,4 +1,4 @@
-"""Composing torch Futures: chain, gather, wait_first, as_completed, with_timeout.
+"""Composing torch Futures (chain, gather, wait_first, as_completed, with_timeout), awaiting them.
 
 Every helper returns a new `torch.futures.Future` and completes it from the
 done-callbacks of its inputs, so no thread waits. They use
@@ -15,10 +15,15 @@ its own type, and a callback that raises never leaves a Future pending::
 
 Timeouts share one clock thread that sleeps until the nearest deadline; no
 thread is held per Future.
+
+`enable_await` gives torch Futures an `__await__`: inside an async_execution
+coroutine (`driving`) the coroutine yields the Future to its driver; under a
+running asyncio loop the Future is bridged to that loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import heapq
 import itertools
@@ -26,14 +31,24 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, TypeVar
 
 from torch.futures import Future
 
 from . import _torch
 
-__all__ = ["as_completed", "chain", "completed", "failed", "gather", "wait_first", "with_timeout"]
+__all__ = [
+    "as_completed",
+    "chain",
+    "completed",
+    "driving",
+    "enable_await",
+    "failed",
+    "gather",
+    "wait_first",
+    "with_timeout",
+]
 
 T = TypeVar("T")
 _FutureType = _torch.FutureType
@@ -315,3 +330,51 @@ class _Clock:
 
 
 _clock = _Clock()
+
+
+def enable_await() -> None:
+    """Make torch Futures awaitable (`await fut`); asyncrpc calls it when it needs to.
+
+    Kept if torch ever ships its own `__await__`. Example::
+
+        asyncrpc.enable_await()
+        result = await asyncrpc.rpc_async("worker1", torch.add, args=(x, 1))
+    """
+    _torch.install_await(_await_future)
+
+
+# ---- making torch Futures awaitable --------------------------------------------------
+
+# True on a thread that is driving an async_execution coroutine (see _execution).
+driving = threading.local()
+
+
+def _await_future(fut: Future[Any]) -> Generator[Any, None, Any]:
+    if not fut.done():
+        loop = None if getattr(driving, "active", False) else _running_loop()
+        if loop is None:
+            yield fut  # an async_execution _Task resumes us when fut is done
+        else:
+            yield from _bridge(fut, loop)
+    return fut.wait()
+
+
+def _bridge(fut: Future[Any], loop: asyncio.AbstractEventLoop) -> Generator[Any, None, None]:
+    waiter = loop.create_future()
+
+    def wake() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    def on_done(_: Future[Any]) -> None:
+        loop.call_soon_threadsafe(wake)
+
+    fut.add_done_callback(on_done)
+    yield from waiter
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

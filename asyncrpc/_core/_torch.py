@@ -15,11 +15,14 @@ the installed torch, so an upgrade that moves one fails there, by name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import re
 import threading
+import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import torch
@@ -49,12 +52,14 @@ __all__ = [
     "current_agent",
     "failure_kind",
     "install_await",
+    "interop_pool_started",
     "is_builtin",
     "is_rpc_thread",
     "mark_async",
     "name_future_failures",
     "name_rref_failures",
     "profiler_config",
+    "quiet_torchscript",
     "register_rendezvous",
     "remote",
     "rpc_async",
@@ -510,3 +515,34 @@ def remote_exception_parts(value: object) -> tuple[str, type[BaseException]] | N
     if isinstance(value, RemoteException):
         return str(value.msg), value.exception_type
     return None
+
+
+# ---- TorchScript's warnings and torch's inter-op pool ---------------------------------
+
+
+@contextlib.contextmanager
+def quiet_torchscript(show: bool = False) -> Iterator[None]:
+    """Hide torch's TorchScript deprecation warnings inside the block, unless `show`."""
+    if show:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+        warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated", category=Warning)
+        yield
+
+
+def interop_pool_started() -> bool:
+    """True once torch has started its inter-op thread pool (threads named PTThreadPool)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return True  # cannot tell on this platform: drain anyway, it is cheap
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                if comm.read().strip() == "PTThreadPool":
+                    return True
+        except OSError:
+            continue
+    return False

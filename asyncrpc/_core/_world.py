@@ -31,7 +31,7 @@ import torch.distributed.rpc as rpc
 from . import _failures, _net, _rendezvous, _torch
 from ._context import Context, Settings, names_for, resolve_world_size
 from ._errors import AsyncRPCError, NotInitializedError, WorldSizeMismatchError
-from ._execution import enable_await
+from ._futures import enable_await
 from ._torch import PrefixStore, Store, WorkerInfo
 
 __all__ = ["Context", "Settings", "current_context", "init", "shutdown", "start"]
@@ -98,7 +98,7 @@ def _adopt() -> World:
     infos = _torch.worker_infos()
     me = rpc.get_worker_info()
     names = tuple(str(info.name) for info in infos)
-    context = Context(int(me.id), len(names), str(me.name), names)
+    context = Context(int(me.id), len(names), str(me.name), names, _leave=_leave)
     world = World(context, _torch.agent_threads())
     _adopted = (agent, world)
     _install_hooks()
@@ -228,7 +228,8 @@ def start(
         tag = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
         names = _rendezvous.agree(store, rank, world_size, name, settings.init_timeout, tag)
         attempt = attempt if attempt is not None else int(tag or 0)
-        context = Context(rank, world_size, name, names, tuple((roles or {}).items()), attempt)
+        roles_seen = tuple((roles or {}).items())
+        context = Context(rank, world_size, name, names, roles_seen, attempt, _leave=_leave)
         # Peers may call in as soon as the agent starts, before init_rpc returns
         # here: the world must already be visible to the functions they run.
         world = World(context, settings.num_worker_threads, store, settings)
@@ -358,6 +359,10 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             _world = None
             _was_shut_down = True
             _put_back(world)
+
+
+def _leave(graceful: bool) -> None:
+    shutdown(graceful=graceful)
 
 
 def describe_self() -> str:

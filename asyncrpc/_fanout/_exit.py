@@ -17,13 +17,14 @@ inter-op pool thread through one barrier, so each has finished its last task.
 """
 
 import atexit
-import os
 import threading
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from .._core import _torch
 
 _JOIN_S = 1.0
 _lock = threading.Lock()
@@ -47,32 +48,15 @@ def settle() -> None:
         threads = list(_threads)
     for thread in threads:
         thread.join(_JOIN_S)
-    if _has_pool_threads():
+    if _torch.interop_pool_started():
         _drain_interop_pool()
-
-
-def _has_pool_threads() -> bool:
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return True  # cannot tell on this platform: drain anyway, it is cheap
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                if comm.read().strip() == "PTThreadPool":
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 def _drain_interop_pool() -> None:
     global _barrier
     _barrier = threading.Barrier(torch.get_num_interop_threads())
     try:
-        from ._fanout import quiet_torchscript
-
-        with quiet_torchscript():
+        with _torch.quiet_torchscript():
             drain: Any = torch.jit.script(_drain)
         drain(_barrier.parties)
     except Exception:  # TorchScript missing, or a pool thread busy: exit anyway

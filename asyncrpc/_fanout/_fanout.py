@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.futures import Future
 
-from .._core import _futures
+from .._core import _futures, _torch
 from . import _exit
 from ._pool import Pool
 from ._tuner import Engine, FanoutPlan, Ticket, Tuner, candidate_plans
@@ -49,18 +48,6 @@ class _ForkDriver(torch.nn.Module):
             for i, member in enumerate(self.members)
         ]
         return [torch.jit.wait(future) for future in futures]  # type: ignore[no-untyped-call]
-
-
-@contextlib.contextmanager
-def quiet_torchscript(show: bool = False) -> Iterator[None]:
-    """Hide torch's TorchScript deprecation warnings inside the block, unless `show`."""
-    if show:
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
-        warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated", category=Warning)
-        yield
 
 
 class Fanout:
@@ -291,7 +278,7 @@ def _script_driver(members: Sequence[Callable[..., Any]], show: bool) -> torch.j
                 "wrap it in a Module or use engine='threads'"
             )
         modules.append(member)
-    with quiet_torchscript(show):
+    with _torch.quiet_torchscript(show):
         try:
             script = torch.jit.script
             scripted = [m if isinstance(m, torch.jit.ScriptModule) else script(m) for m in modules]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from .._core import _torch, _world
+from .._core import _calls, _torch, _world
 from .._core._errors import AsyncRPCError
 from . import _timeline
 
@@ -192,6 +192,7 @@ def _begin(session: str) -> dict[str, Any]:
         recorder = _Recorder(session)
         recorder.start()
         _recorder = recorder
+        _calls.set_outgoing_hook(outgoing)
     return {"boot": _boot_id(), "pid": os.getpid()}
 
 
@@ -206,6 +207,7 @@ def _finish(session: str) -> dict[str, Any]:
         if recorder is None or recorder.session != session:
             raise AsyncRPCError(f"no trace {session} is recording on this worker")
         _recorder = None
+        _calls.set_outgoing_hook(None)
     text = recorder.finish()
     threads = dict(recorder.threads)
     for thread in threading.enumerate():

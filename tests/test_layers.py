@@ -1,0 +1,120 @@
+"""The package's layers: each module imports only from the layers below it (no import cycle).
+
+    __init__ (the facade)  ->  futures  ->  _ensemble
+      ->  _handles, _batch, _fanout/, _trace/, _launch/  (features, apart from each other)
+      ->  _core/  (the RPC core; its own modules in the order below)
+
+Imports are read from the source with `ast`, lazy ones inside functions included.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import asyncrpc
+
+PACKAGE = pathlib.Path(asyncrpc.__file__).parent
+
+# Lowest first. A unit is a module, or a package whose modules are listed in their order.
+LAYERS: list[list[str]] = [
+    ["_core"],
+    ["_handles", "_batch", "_fanout", "_trace", "_launch"],
+    ["_ensemble"],
+    ["futures"],
+    ["__init__"],
+]
+INSIDE: dict[str, list[str]] = {
+    "_core": [
+        "_torch",
+        "_errors",
+        "_failures",
+        "_futures",
+        "_context",
+        "_net",
+        "_rendezvous",
+        "_world",
+        "_execution",
+        "_calls",
+    ],
+    "_fanout": ["_tuner", "_exit", "_pool", "_fanout"],
+    "_trace": ["_timeline", "_render", "_trace"],
+    "_launch": ["_liveness", "_supervisor", "_cli"],
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Every module of the package by dotted name below `asyncrpc` (`_core._torch`)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _rank(module: str) -> tuple[int, int, int]:
+    """(layer, unit, position inside the unit) of a module."""
+    unit, _, inner = module.partition(".")
+    for layer, units in enumerate(LAYERS):
+        if unit in units:
+            order = INSIDE.get(unit, [])
+            position = order.index(inner) + 1 if inner else 0
+            return layer, units.index(unit), position
+    raise AssertionError(f"asyncrpc.{module} is not placed in LAYERS; add it to the order")
+
+
+def _imports(module: str, source: str, is_package: bool, known: set[str]) -> set[str]:
+    """The package's own modules that `module` (whose code is `source`) imports."""
+    parts = [] if module == "__init__" else module.split(".")
+    base = parts if is_package else parts[:-1]
+    targets = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                prefix = [*anchor, *(node.module.split(".") if node.module else [])]
+            elif node.module and node.module.startswith("asyncrpc"):
+                prefix = node.module.split(".")[1:]
+            else:
+                continue
+            for alias in node.names:
+                whole = ".".join([*prefix, alias.name])
+                targets.add(whole if whole in known else ".".join(prefix))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("asyncrpc."):
+                    targets.add(alias.name.removeprefix("asyncrpc."))
+    return {t for t in targets if t and t != module}
+
+
+def test_every_module_imports_only_from_lower_layers() -> None:
+    modules = _modules()
+    known = set(modules)
+    wrong = []
+    for module, path in sorted(modules.items()):
+        mine = _rank(module)
+        imported = _imports(module, path.read_text(), path.name == "__init__.py", known)
+        for target in sorted(imported):
+            theirs = _rank(target)
+            same_layer_other_unit = theirs[0] == mine[0] and theirs[1] != mine[1]
+            if theirs >= mine or same_layer_other_unit:
+                wrong.append(f"asyncrpc.{module} imports asyncrpc.{target}")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_every_module_has_a_place_in_the_order() -> None:
+    for module in _modules():
+        _rank(module)  # raises for a module nobody placed
+    for unit, order in INSIDE.items():
+        present = {m.partition(".")[2] for m in _modules() if m.startswith(unit + ".")}
+        assert present == set(order), (unit, sorted(present ^ set(order)))
+
+
+def test_the_check_sees_a_wrong_import() -> None:
+    # The core must never import a feature: a made-up import of one is caught.
+    source = "def f():\n    from .._trace import _trace\n"
+    found = _imports("_core._calls", source, False, set(_modules()))
+    assert found == {"_trace._trace"}
+    assert _rank("_trace._trace") > _rank("_core._calls")
