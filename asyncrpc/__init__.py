@@ -17,6 +17,7 @@ from ._core._calls import remote, rpc_async, rpc_sync
 from ._core._errors import (
     AsyncRPCError,
     AwaitedNonFutureError,
+    BatchNotSentError,
     CallTimeoutError,
     DuplicateNameError,
     NestedCallError,
@@ -27,13 +28,14 @@ from ._core._errors import (
     RendezvousError,
     SerializationError,
     UnknownWorkerError,
+    UnsupportedTorchError,
     WorkerFailedError,
     WorkerUnreachableError,
     WorldSizeMismatchError,
 )
 from ._core._execution import async_execution
-from ._core._failures import log_unwaited_failures
 from ._core._futures import enable_await
+from ._core._unwaited import log_unwaited_failures
 from ._core._world import Context, Settings, current_context, init, shutdown
 from ._ensemble import Ensemble
 from ._fanout._fanout import Fanout, fanout
@@ -58,6 +60,7 @@ __all__ = (
     "AsyncRPCError",
     "AwaitedNonFutureError",
     "Batch",
+    "BatchNotSentError",
     "CallTimeoutError",
     "Context",
     "DuplicateNameError",
@@ -76,6 +79,7 @@ __all__ = (
     "Settings",
     "Trace",
     "UnknownWorkerError",
+    "UnsupportedTorchError",
     "WorkerFailedError",
     "WorkerUnreachableError",
     "WorldSizeMismatchError",

@@ -23,7 +23,8 @@ Each call is checked as `rpc_async` checks it, before anything is sent.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -31,12 +32,66 @@ import torch
 from torch.futures import Future
 
 from ._core import _calls, _torch
-from ._core._failures import check_reply
-from ._core._futures import completed
+from ._core._errors import BatchNotSentError
+from ._core._execution import Kind, classify, run_python, run_python_async
+from ._core._failures import check_reply, hold
+from ._core._futures import await_future, completed
 
 __all__ = ["Batch", "run_batch"]
 
 _Entry = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+_Pending = dict[str, list[tuple[_Entry, "BatchFuture"]]]
+
+
+class _Outbox:
+    """One filling of a Batch: its calls, and whether they have left."""
+
+    __slots__ = ("pending", "sent")
+
+    def __init__(self) -> None:
+        self.pending: _Pending = {}
+        self.sent = False
+
+    def drop(self) -> None:
+        """The Batch was collected: fail what it never sent."""
+        failure = hold(BatchNotSentError(
+            "this call's Batch was dropped before it was sent; leave the `with "
+            "asyncrpc.Batch()` block or call batch.send() while the Batch is alive"
+        ))  # fmt: skip
+        for items in self.pending.values():
+            for _, fut in items:
+                if not fut.done():
+                    fut.set_result(failure)
+        self.pending.clear()
+
+
+class BatchFuture(Future[Any]):
+    """A Batch call's Future: reading it before the Batch is sent fails at once."""
+
+    def __init__(self, outbox: _Outbox) -> None:
+        super().__init__()
+        _torch.set_unwrap(self, check_reply)
+        self._outbox = outbox
+
+    def wait(self) -> Any:
+        self._check()
+        return super().wait()
+
+    def value(self) -> Any:
+        self._check()
+        return super().value()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        self._check()
+        return await_future(self)
+
+    def _check(self) -> None:
+        if not self._outbox.sent and not self.done():
+            raise BatchNotSentError(
+                "this call is in a Batch that has not been sent, so its Future cannot "
+                "complete; read it after the `with asyncrpc.Batch()` block, or call "
+                "batch.send() first"
+            )
 
 
 class Batch:
@@ -46,7 +101,9 @@ class Batch:
     1000 calls in one Batch take a few messages' time instead of 1000. Each
     call keeps its own result and error; a lost worker or a timeout fails
     every call of its message. `timeout` bounds each message, as torch's
-    `timeout` bounds a call (-1: the world's default).
+    `timeout` bounds a call (-1: the world's default, 0: none). Reading a
+    call's Future before the Batch is sent raises `BatchNotSentError`; so
+    does a Batch dropped unsent, for each of its calls.
 
     Example::
 
@@ -58,7 +115,10 @@ class Batch:
     def __init__(self, timeout: float = _calls.UNSET_RPC_TIMEOUT) -> None:
         self._timeout = _calls.check_timeout("Batch", timeout)
         self._lock = threading.Lock()
-        self._pending: dict[str, list[tuple[_Entry, Future[Any]]]] = {}
+        # The filling being collected; a finalizer fails its calls if the Batch is
+        # dropped unsent (it holds this list, not the Batch).
+        self._box = [_Outbox()]
+        weakref.finalize(self, _drop, self._box)
 
     def rpc_async(
         self,
@@ -69,10 +129,10 @@ class Batch:
     ) -> Future[Any]:
         """Add `func(*args, **kwargs)` on worker `to`; a Future of its result, set once sent."""
         call = _calls.check("Batch.rpc_async", to, func, args, kwargs, self._timeout)
-        fut: Future[Any] = Future()
         entry = (call.func, tuple(call.args or ()), dict(call.kwargs or {}))
         with self._lock:
-            self._pending.setdefault(call.worker, []).append((entry, fut))
+            fut = BatchFuture(self._box[0])
+            self._box[0].pending.setdefault(call.worker, []).append((entry, fut))
         return fut
 
     def send(self) -> None:
@@ -100,36 +160,39 @@ class Batch:
         if error is None:
             self.send()
             return
-        unsent = RuntimeError("this call was not sent: the `with asyncrpc.Batch()` block raised")
+        unsent = BatchNotSentError(
+            "this call was not sent: the `with asyncrpc.Batch()` block raised"
+        )
         unsent.__cause__ = error
         for items in self._take().values():
             _fail_all(items, unsent)
 
-    def _take(self) -> dict[str, list[tuple[_Entry, Future[Any]]]]:
+    def _take(self) -> _Pending:
         with self._lock:
-            pending, self._pending = self._pending, {}
-        return pending
+            outbox, self._box[0] = self._box[0], _Outbox()
+            outbox.sent = True
+        return outbox.pending
 
 
-def _hand_out(reply: Future[Any], items: list[tuple[_Entry, Future[Any]]]) -> None:
+def _drop(box: list[_Outbox]) -> None:
+    box[0].drop()
+
+
+def _hand_out(reply: Future[Any], items: list[tuple[_Entry, BatchFuture]]) -> None:
     try:
         outcomes = reply.value()
     except BaseException as exc:  # the message failed: every call in it did
         _fail_all(items, exc)
         return
     for (_, fut), outcome in zip(items, outcomes, strict=True):
-        try:
-            value = check_reply(outcome)  # a Failure raises its call's own error
-        except BaseException as exc:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(value)
+        fut.set_result(outcome)  # a Failure raises its call's own error when read
 
 
-def _fail_all(items: list[tuple[_Entry, Future[Any]]], error: BaseException) -> None:
+def _fail_all(items: list[tuple[_Entry, BatchFuture]], error: BaseException) -> None:
+    failure = hold(error)
     for _, fut in items:
         if not fut.done():
-            fut.set_exception(error)
+            fut.set_result(failure)
 
 
 # ---- the callee's side ----------------------------------------------------------------
@@ -143,20 +206,28 @@ def run_batch(entries: list[_Entry]) -> Future[list[Any]]:
     outcomes: list[Any] = []
     waiting: list[int] = []
     for func, args, kwargs in entries:
-        if _torch.async_target(func) is not None:
+        if classify(func) is Kind.ASYNC:
             waiting.append(len(outcomes))
-            outcomes.append(_calls.run_python_async(func, args, kwargs))
+            outcomes.append(run_python_async(func, args, kwargs))
         else:
-            outcomes.append(_calls.run_python(func, args, kwargs))
+            outcomes.append(run_python(func, args, kwargs))
     if not waiting:
         return completed(outcomes)
 
     def fill(_: object) -> list[Any]:
         for i in waiting:
-            outcomes[i] = outcomes[i].wait()
+            outcomes[i] = _outcome(outcomes[i])
         return outcomes
 
     return torch.futures.collect_all([outcomes[i] for i in waiting]).then(fill)
+
+
+def _outcome(fut: Future[Any]) -> Any:
+    """A done Future's value, or its failure as a Failure value."""
+    try:
+        return fut.wait()
+    except Exception as exc:
+        return hold(exc)
 
 
 _torch.mark_async(run_batch, run_batch)

@@ -65,6 +65,14 @@ def build_members(
     return members
 
 
+def member_names(members: Sequence[torch.nn.Module], indices: Sequence[int]) -> list[str]:
+    """How errors and traces name each member: by its index in the whole ensemble."""
+    return [
+        f"member {i} ({type(m).__name__}) of the ensemble"
+        for m, i in zip(members, indices, strict=True)
+    ]
+
+
 def _sum(outputs: list[torch.Tensor]) -> torch.Tensor:
     with torch.no_grad():
         return torch.stack(outputs).sum(dim=0)
@@ -83,7 +91,9 @@ class _Shard:
         threads: int | None,
     ) -> None:
         self.members = build_members(factory, indices, args, seed)
-        self.fan = Fanout(self.members, engine=engine, threads=threads)
+        self.fan = Fanout(
+            self.members, engine=engine, threads=threads, names=member_names(self.members, indices)
+        )
 
     @async_execution
     def forward(self, reduce: bool, *args: Any) -> Future[Any]:
@@ -141,7 +151,8 @@ class Ensemble:
         self._shards: list[tuple[RemoteObject[_Shard], list[int]]] = []
         if workers is None:
             members = build_members(factory, range(n), args, seed)
-            self._local = Fanout(members, engine=engine, threads=threads)
+            names = member_names(members, range(n))
+            self._local = Fanout(members, engine=engine, threads=threads, names=names)
             return
         for worker, indices in _blocks(self.placement):
             handle = spawn(worker, _Shard, factory, indices, args, seed, engine, threads)
@@ -172,7 +183,11 @@ class Ensemble:
         if self.combine in ("sum", "mean"):
             total = torch.stack(parts).sum(dim=0)
             return total / self.n if self.combine == "mean" else total
-        return self._combine([out for part in parts for out in part])
+        outputs: list[Any] = [None] * self.n  # back in member order, whatever the placement
+        for (_, indices), part in zip(self._shards, parts, strict=True):
+            for index, output in zip(indices, part, strict=True):
+                outputs[index] = output
+        return self._combine(outputs)
 
     def _combine(self, outputs: list[Any]) -> Any:
         if self.combine == "sum":

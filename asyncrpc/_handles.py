@@ -14,15 +14,17 @@ verbs, and every call goes through the same path as `rpc_sync`::
     del h  (last handle gone)       ─── delete ───>  the object is released
 
 Methods decorated with `async_execution`, and `async def` methods, run on the
-owner without holding an RPC thread. Modules get `forward`/`forward_async`
-and their parameters as RRefs for distributed autograd.
+owner without holding an RPC thread. torch's proxies on a handle
+(`h.rpc_sync().method(...)`) are these verbs in torch's shape. Modules get
+`forward`/`forward_async` and their parameters as RRefs for distributed
+autograd. A constructor that raised leaves a Failure as the object: every
+call on the handle raises that error.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -31,8 +33,8 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from ._core import _calls, _torch
-from ._core._execution import async_execution, start_coroutine
-from ._core._futures import completed, gather
+from ._core._execution import DESCRIBE_CALL, Kind, classify
+from ._core._futures import gather
 
 __all__ = ["RemoteModule", "RemoteObject", "call_all", "spawn"]
 
@@ -55,16 +57,22 @@ def _invoke(rref: rpc.RRef[Any], name: str, args: tuple[Any, ...], kw: dict[str,
     return _method(rref.local_value(), name)(*args, **kw)
 
 
-@async_execution
 def _invoke_async(
     rref: rpc.RRef[Any], name: str, args: tuple[Any, ...], kw: dict[str, Any]
-) -> Future[Any]:
-    method = _method(rref.local_value(), name)
-    if _torch.async_target(method) is not None:
-        return method(*args, **kw)  # type: ignore[no-any-return]
-    if inspect.iscoroutinefunction(method):
-        return start_coroutine(method(*args, **kw), method)
-    return completed(method(*args, **kw))
+) -> Any:
+    """`_invoke` for a method that may return a Future or a coroutine (run_python_async)."""
+    return _method(rref.local_value(), name)(*args, **kw)
+
+
+_torch.mark_async(_invoke_async, _invoke_async)
+
+
+def _describe_method(rref: rpc.RRef[Any], name: str, *_: Any) -> str:
+    return f"{type(rref.local_value()).__qualname__}.{name}()"
+
+
+for _owner_side in (_invoke, _invoke_async):
+    setattr(_owner_side, DESCRIBE_CALL, _describe_method)
 
 
 def _parameter_rrefs(rref: rpc.RRef[torch.nn.Module]) -> list[rpc.RRef[torch.Tensor]]:
@@ -150,17 +158,23 @@ class RemoteObject(Generic[T]):
         value: T = _calls.call_sync(self._call_on_owner(_local_value, "to_here()"))
         return value
 
-    def rpc_sync(self) -> Any:
-        """torch's RRef proxy: `h.rpc_sync().method(*args)` (same as `h.call`)."""
-        return self.rref.rpc_sync(timeout=self._timeout)
+    # torch's RRef proxies, in their shape but on this handle's verbs, so their
+    # calls take the same path (async def methods, failures, options). The RRef's
+    # own proxies (`h.rref.rpc_sync()`) stay torch's.
+    def rpc_sync(self, timeout: float = _calls.UNSET_RPC_TIMEOUT) -> Any:
+        """`h.rpc_sync().method(*args)` is `h.call("method", *args)` (torch's proxy shape)."""
+        return _Proxy(self._timed(timeout).call)
 
-    def rpc_async(self) -> Any:
-        """torch's RRef proxy: `h.rpc_async().method(*args)` gives a Future."""
-        return self.rref.rpc_async(timeout=self._timeout)
+    def rpc_async(self, timeout: float = _calls.UNSET_RPC_TIMEOUT) -> Any:
+        """`h.rpc_async().method(*args)` is `h.call_async("method", *args)`: a Future."""
+        return _Proxy(self._timed(timeout).call_async)
 
-    def remote(self) -> Any:
-        """torch's RRef proxy: `h.remote().method(*args)` gives an RRef."""
-        return self.rref.remote(timeout=self._timeout)
+    def remote(self, timeout: float = _calls.UNSET_RPC_TIMEOUT) -> Any:
+        """`h.remote().method(*args)` is `h.call_remote("method", *args)`: an RRef."""
+        return _Proxy(self._timed(timeout).call_remote)
+
+    def _timed(self, timeout: float) -> RemoteObject[T]:
+        return self if timeout == _calls.UNSET_RPC_TIMEOUT else self.options(timeout=timeout)
 
     def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _calls.Call:
         """One method call, checked, through the same path as rpc_sync."""
@@ -179,16 +193,29 @@ class RemoteObject(Generic[T]):
                 f"write handle.call('name', *args)"
             )
         if self.cls is None:
-            return _invoke_async  # the owner checks the name and decides
+            return _invoke_async  # the owner checks the name and runs what it finds
         attr = getattr(self.cls, method, None)
         if not callable(attr):
             raise AttributeError(_no_method(self.cls, method, attr))
-        is_async = _torch.async_target(attr) is not None or inspect.iscoroutinefunction(attr)
-        return _invoke_async if is_async else _invoke
+        return _invoke_async if classify(attr) is Kind.ASYNC else _invoke
 
     def __repr__(self) -> str:
         what = self.cls.__qualname__ if self.cls is not None else "an object"
         return f"<{type(self).__name__} of {what} on {self.owner!r}>"
+
+
+class _Proxy:
+    """torch's RRef proxy shape: `proxy.method(*args)` runs `run("method", *args)`."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: Callable[..., Any]) -> None:
+        self._run = run
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return functools.partial(self._run, name)
 
 
 def _local_value(rref: rpc.RRef[T]) -> T:

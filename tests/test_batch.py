@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import time
 
 import pytest
@@ -83,5 +85,37 @@ def test_a_block_that_raises_sends_nothing(world: asyncrpc.Context) -> None:
         with asyncrpc.Batch() as batch:
             fut = batch.rpc_async("worker1", double, args=(1,))
             1 / 0  # noqa: B018
-    with pytest.raises(RuntimeError, match="not sent"):
+    with pytest.raises(asyncrpc.BatchNotSentError, match="not sent"):
         fut.wait()
+
+
+def test_reading_a_future_before_its_batch_is_sent_fails_at_once(
+    world: asyncrpc.Context,
+) -> None:
+    with asyncrpc.Batch() as batch:
+        fut = batch.rpc_async("worker1", double, args=(4,))
+        started = time.monotonic()
+        for read in (fut.wait, fut.value):
+            with pytest.raises(
+                asyncrpc.BatchNotSentError, match=r"not been sent.*batch\.send\(\)"
+            ):
+                read()
+        with pytest.raises(asyncrpc.BatchNotSentError):
+            asyncio.run(_awaited(fut))
+        assert time.monotonic() - started < 1.0
+    assert fut.wait() == 8  # sent when the block ended
+
+
+async def _awaited(fut: Future[int]) -> int:
+    return await fut
+
+
+def test_a_batch_dropped_unsent_fails_its_futures(world: asyncrpc.Context) -> None:
+    batch = asyncrpc.Batch()
+    futs = [batch.rpc_async("worker1", double, args=(i,)) for i in range(3)]
+    del batch
+    gc.collect()
+    for fut in futs:
+        assert fut.done()
+        with pytest.raises(asyncrpc.BatchNotSentError, match="dropped before it was sent"):
+            fut.wait()

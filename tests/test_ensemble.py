@@ -87,6 +87,47 @@ def test_members_are_built_on_their_worker_and_never_pickled(world: asyncrpc.Con
     assert explicit(torch.zeros(1))[:, 0].tolist() == [2.0, 1.0, 1.0]
 
 
+def test_repeated_worker_names_keep_member_order(world: asyncrpc.Context) -> None:
+    workers = ["worker1", "worker2", "worker1", "worker2"]
+    ens = asyncrpc.Ensemble(Indexed, 4, workers=workers, combine="stack", seed=0)
+    assert ens(torch.zeros(1))[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert ens.placement == tuple(workers)
+
+
+class Indexed(torch.nn.Module):
+    """Outputs its member index (built under seed + index) and the rank it lives on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = float(torch.initial_seed())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and self.index == 2.0:
+            raise ValueError("member 2 refuses a 2-d input")
+        return torch.full_like(x, self.index)
+
+
+def test_a_spread_members_error_names_its_index_in_the_ensemble(world: asyncrpc.Context) -> None:
+    ens = asyncrpc.Ensemble(Indexed, 4, workers=["worker1", "worker2"], seed=0)
+    with pytest.raises(ValueError, match="refuses") as raised:
+        ens(torch.zeros(1, 1))
+    text = str(raised.value) + str(getattr(raised.value, "__notes__", ""))
+    assert "member 2 (Indexed) of the ensemble" in text and "worker2" in text, text
+
+
+def test_spread_equals_serial_to_float_rounding_and_never_requires_grad(
+    world: asyncrpc.Context,
+) -> None:
+    local = asyncrpc.Ensemble(BiLSTM, 4, seed=5)
+    spread = asyncrpc.Ensemble(BiLSTM, 4, seed=5, workers=["worker1", "worker2"])
+    ours, theirs = local(X), spread(X)
+    # Partial sums per worker, then across workers: the same sum in another order.
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-6)
+    assert ours.requires_grad and not theirs.requires_grad  # as the README says
+    with torch.no_grad():
+        assert not local(X).requires_grad
+
+
 def test_seeds_make_members_differ_and_placements_agree(world: asyncrpc.Context) -> None:
     stack = asyncrpc.Ensemble(BiLSTM, 2, seed=0, combine="stack", workers=["worker1", "worker2"])
     with torch.no_grad():

@@ -1,11 +1,14 @@
-"""How a remote exception is captured, sent and raised again; no world needed."""
+"""How a failure is captured, carried, sent and raised again; no world needed."""
 
 from __future__ import annotations
 
+import gc
 import pickle
 import threading
+import weakref
 
 import pytest
+import torch
 
 import asyncrpc
 from asyncrpc._core import _failures
@@ -25,19 +28,29 @@ class HoldsALock(Exception):
         self.lock = threading.Lock()
 
 
+class Big:
+    """Stands for a large local: a weakref tells whether anything still holds it."""
+
+
 def load(key: str) -> None:
     raise KeyError(key)
 
 
-def _sent_and_raised(error: BaseException) -> BaseException:
+def _captured(error: BaseException) -> _failures.Failure:
     try:
         raise error
     except BaseException as exc:
-        failure = _failures.capture(exc, WHERE, load)
-    revived = pickle.loads(pickle.dumps(failure))
+        return _failures.capture(exc, WHERE, load)
+
+
+def _raised(value: object) -> BaseException:
     with pytest.raises(BaseException) as raised:
-        _failures.check_reply(revived)
+        _failures.check_reply(value)
     return raised.value
+
+
+def _sent_and_raised(error: BaseException) -> BaseException:
+    return _raised(pickle.loads(pickle.dumps(_captured(error))))
 
 
 def test_a_remote_exception_keeps_its_type_and_names_the_worker() -> None:
@@ -61,17 +74,72 @@ def test_a_relayed_error_keeps_its_origin() -> None:
     assert isinstance(again, ValueError) and again.remote_text == first.remote_text  # type: ignore[attr-defined]
 
 
-def test_an_exception_that_cannot_be_pickled_arrives_as_its_text() -> None:
+def test_an_exception_that_cannot_be_pickled_is_named_with_its_text() -> None:
     err = _sent_and_raised(HoldsALock())
-    assert isinstance(err, RuntimeError) and "HoldsALock" in str(err)
+    assert isinstance(err, asyncrpc.SerializationError) and isinstance(err, RuntimeError)
+    assert isinstance(err, asyncrpc.RemoteError)
+    assert "HoldsALock" in str(err) and "with a lock" in str(err) and WHERE in str(err)
+
+    class LocalClass(Exception):
+        pass
+
+    local = _sent_and_raised(LocalClass("defined in a function"))
+    assert isinstance(local, asyncrpc.SerializationError)
+    assert "LocalClass" in str(local) and "defined in a function" in str(local)
 
 
 def test_a_class_the_caller_cannot_import_is_named() -> None:
-    bogus = _failures.Failure("On worker 'w':\nboom", KeyError("x"))
-    state = bogus.__reduce__()[1]
-    revived = _failures._revive_failure(state[0], "no_such_module", "Gone", b"not a pickle")
-    with pytest.raises(asyncrpc.SerializationError, match=r"no_such_module\.Gone.*cannot import"):
+    failure = _captured(KeyError("x"))
+    reviver, (_, _, message, where, _, why) = failure.__reduce__()
+    revived = reviver("no_such_module", "Gone", message, where, b"not a pickle", why)
+    with pytest.raises(asyncrpc.SerializationError, match=r"no_such_module\.Gone.*cannot rebuild"):
         _failures.check_reply(revived)
+
+
+def test_every_read_raises_a_fresh_copy_and_keeps_no_frame() -> None:
+    # The stored error never gains a reader's frames: no cycle through a torch Future.
+    failure = _captured(KeyError("once"))
+    first, second = _raised(failure), _raised(failure)
+    assert first is not second and first is not failure.error
+    assert type(first) is type(second) is type(failure.error)
+    assert str(first) == str(failure.error)
+    assert failure.error.__traceback__ is None  # a twin carries its traceback as text
+
+
+def test_held_errors_release_their_frames_locals() -> None:
+    def fails(marker: Big) -> None:
+        raise ValueError("held")
+
+    big = Big()
+    alive = weakref.ref(big)
+    try:
+        fails(big)
+    except ValueError as exc:
+        failure = _failures.hold(exc)
+    del big
+    gc.collect()
+    assert alive() is None  # the frame of `fails` kept no locals
+    raised = _raised(failure)
+    assert isinstance(raised, ValueError) and raised.__traceback__ is not None
+
+
+def test_a_future_failed_with_a_failure_leaks_nothing() -> None:
+    # torch's own set_exception keeps the raised object: each read would add the
+    # reader's frame, which holds the Future (a cycle gc cannot see).
+    refs = []
+    for _ in range(50):
+        fut = asyncrpc.failed(KeyError("k"))
+        big = Big()
+        refs.append(weakref.ref(big))
+
+        def read(f: torch.futures.Future[None], holder: Big = big) -> None:
+            f.wait()
+
+        with pytest.raises(KeyError):
+            read(fut)
+        del big, fut, read
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) == 0
 
 
 def test_errors_that_stand_for_torch_failures_are_its_types() -> None:
@@ -83,6 +151,8 @@ def test_errors_that_stand_for_torch_failures_are_its_types() -> None:
         asyncrpc.NotInitializedError,
         asyncrpc.RemoteError,
         asyncrpc.NestedCallError,
+        asyncrpc.UnsupportedTorchError,
+        asyncrpc.BatchNotSentError,
     ):
         assert issubclass(cls, RuntimeError), cls
     assert issubclass(asyncrpc.CallTimeoutError, TimeoutError)
@@ -97,3 +167,11 @@ def test_torchs_failures_are_named_and_keep_torchs_text() -> None:
     assert "RPC ran for more than set timeout" in str(named) and named.__cause__ is torch_error
     own = KeyError("not torch's")
     assert _failures.name_failure(own, "worker2", load) is own
+
+
+def test_a_torch_caller_gets_torchs_wire_form() -> None:
+    failure = _captured(KeyError("for torch"))
+    failure.for_torch = True
+    wire = pickle.loads(pickle.dumps(failure))
+    assert type(wire).__name__ == "RemoteException" and wire.exception_type is KeyError
+    assert "for torch" in wire.msg and WHERE in wire.msg

@@ -140,6 +140,8 @@ def test_auto_offers_serial_lanes_and_fork_for_scripted_members() -> None:
     for fixed in (asyncrpc.Fanout([Scale(1.0)]), asyncrpc.Fanout(_scales(2), threads=1)):
         assert fixed.plans == (serial,)
         assert fixed.plan == serial  # nothing to time
+    fixed_width = asyncrpc.Fanout(_scales(4), threads=2)  # threads= fixes the plan too
+    assert fixed_width.plans == (lanes,) and fixed_width.plan == lanes
     assert asyncrpc.Fanout(_scales(2)).plan is None  # not timed yet
 
 

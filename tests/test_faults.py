@@ -140,7 +140,8 @@ def test_remote_exception_whose_class_the_caller_cannot_import(world: asyncrpc.C
     with tempfile.TemporaryDirectory() as folder:
         _raises(
             asyncrpc.SerializationError,
-            r"raised worker_only_plugin.PluginError, which this process cannot import.*importable",
+            r"worker_only_plugin.PluginError was raised, but this process cannot rebuild it"
+            r".*importable",
             lambda: rpc_sync("worker1", raise_worker_only, args=(folder,)),
         )
 

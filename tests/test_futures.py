@@ -185,6 +185,20 @@ def test_with_timeout_rejects_bad_delays(seconds: object, error: type) -> None:
         futures.with_timeout(futures.completed(1), seconds)  # type: ignore[arg-type]
 
 
+def test_timeout_zero_has_one_meaning_no_timeout(world: asyncrpc.Context) -> None:
+    # As in torch, a call's timeout=0 means no timeout; helpers that only time out refuse it.
+    assert asyncrpc.rpc_sync("worker1", sleepy, args=(0.2,), timeout=0) == 0.2
+    with pytest.raises(ValueError, match=r"timeout=0 would mean no timeout.*seconds > 0"):
+        futures.with_timeout(futures.completed(1), 0)
+    with pytest.raises(ValueError, match=r"timeout=0 would mean no timeout"):
+        list(futures.as_completed([futures.completed(1)], timeout=0))
+
+
+def sleepy(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
 def test_top_level_names_are_the_same_functions() -> None:
     for name in futures.__all__:
         assert getattr(asyncrpc, name) is getattr(futures, name)

@@ -49,6 +49,13 @@ class Counter:
     def fail(self) -> None:
         raise KeyError("no such key")
 
+    def ident(self) -> int:
+        return id(self)
+
+    async def fail_awaiting(self, to: str) -> None:
+        await rpc_async(to, int, args=(1,))
+        raise KeyError("no such key, after an await")
+
     def check(self, seconds: float) -> int:
         if self.value < 0:
             raise KeyError("no such key")
@@ -207,17 +214,42 @@ def test_call_all_keeps_order_and_fails_fast(world: asyncrpc.Context) -> None:
 # ---- lifetime ----------------------------------------------------------------------------
 
 
-def test_the_object_is_released_with_its_last_handle(world: asyncrpc.Context) -> None:
-    before = asyncrpc.rpc_sync("worker2", live_counters)
-    counter = asyncrpc.spawn("worker2", Counter)
-    counter.call("add")
-    assert asyncrpc.rpc_sync("worker2", live_counters) == before + 1
-    del counter
+def is_live(ident: int) -> bool:
+    gc.collect()
+    with _live_lock:
+        return ident in _live
+
+
+def wait_released(owner: str, ident: int, what: str) -> None:
     gc.collect()
     deadline = time.monotonic() + 10
-    while asyncrpc.rpc_sync("worker2", live_counters) != before:
-        assert time.monotonic() < deadline, "the remote Counter was never released"
+    while asyncrpc.rpc_sync(owner, is_live, args=(ident,)):
+        assert time.monotonic() < deadline, f"the remote Counter was never released ({what})"
         time.sleep(0.05)
+
+
+def test_the_object_is_released_with_its_last_handle(world: asyncrpc.Context) -> None:
+    counter = asyncrpc.spawn("worker2", Counter)
+    ident = counter.call("ident")
+    assert asyncrpc.rpc_sync("worker2", is_live, args=(ident,))
+    del counter
+    wait_released("worker2", ident, "after calls that succeeded")
+
+
+def test_the_object_is_released_whatever_its_methods_did(world: asyncrpc.Context) -> None:
+    counter = asyncrpc.spawn("worker1", Counter)
+    ident = counter.call("ident")
+    for _ in range(3):  # failing sync and async methods, through every verb
+        with pytest.raises(KeyError):
+            counter.call("fail")
+        with pytest.raises(KeyError):
+            counter.call_async("fail_awaiting", "worker2").wait()
+        with pytest.raises(KeyError):
+            counter.rpc_sync().fail_awaiting("worker2")
+        with pytest.raises(KeyError):
+            counter.call_remote("fail").to_here()
+    del counter
+    wait_released("worker1", ident, "after failed calls")
 
 
 @pytest.mark.subprocess

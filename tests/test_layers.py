@@ -26,9 +26,10 @@ LAYERS: list[list[str]] = [
 ]
 INSIDE: dict[str, list[str]] = {
     "_core": [
-        "_torch",
         "_errors",
+        "_torch",
         "_failures",
+        "_unwaited",
         "_futures",
         "_context",
         "_net",

@@ -118,6 +118,22 @@ def test_run_rejects_a_lambda() -> None:
         asyncrpc.run(print(), world_size=2)  # type: ignore[arg-type, func-returns-value]
 
 
+def test_run_rejects_args_it_cannot_send() -> None:
+    import asyncrpc
+
+    with pytest.raises(TypeError, match=r"cannot be pickled.*module-level"):
+        asyncrpc.run(_module_main, world_size=2, args=(lambda: 1,))
+
+
+@pytest.mark.subprocess
+def test_a_worker_that_cannot_load_main_says_why() -> None:
+    done = run_program("python", str(PROGRAMS / "main_guarded.py"), timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "could not load main and args" in done.stdout, done.stdout
+    assert "Can't get attribute 'helper'" in done.stdout, done.stdout
+    assert 'not under `if __name__ == "__main__":`' in done.stdout, done.stdout
+
+
 def test_run_needs_a_size_without_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncrpc
 

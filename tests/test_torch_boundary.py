@@ -81,12 +81,46 @@ def test_unwrap_hook_raises_with_the_type_kept() -> None:
         fut.wait()
 
 
+class LocalError(Exception):
+    pass
+
+
 def test_rref_future_and_remote_exception(world: asyncrpc.Context) -> None:
     rref = _torch.remote("worker1", plain, args=(4,))
     _torch.rref_future(rref).wait()
     assert rref.to_here() == 4
-    wire = _torch.RemoteException("msg", KeyError)
+    make, (text, cls) = _torch.remote_exception("msg", KeyError)
+    wire = make(text, cls)
     assert (wire.msg, wire.exception_type) == ("msg", KeyError)
+
+    def nested() -> type[Exception]:
+        class Inner(Exception):
+            pass
+
+        return Inner
+
+    # A class a torch caller could not import by name crosses as RuntimeError.
+    assert _torch.remote_exception("msg", nested())[1][1] is RuntimeError
+    assert _torch.remote_exception("msg", LocalError)[1][1] is LocalError
+
+
+def test_futures_made_inside_torchs_wait_all_are_waited_for(world: asyncrpc.Context) -> None:
+    from torch.distributed.rpc import api
+
+    with api._wait_all():
+        fut = asyncrpc.rpc_async("worker1", sleepy, args=(0.3,))
+        assert not fut.done()
+    assert fut.done() and fut.wait() == 0.3
+
+
+def test_a_missing_private_hook_is_named_with_the_tested_versions() -> None:
+    with pytest.raises(asyncrpc.UnsupportedTorchError) as raised:
+        _torch._require({"torch._C.Future._no_such_hook": lambda: torch._C.Future._no_such_hook})
+    text = str(raised.value)
+    assert "torch._C.Future._no_such_hook" in text and torch.__version__ in text
+    for version in _torch.TESTED_TORCH:
+        assert version in text
+    _torch._require(_torch._CORE_HOOKS)  # this torch has every hook the core patches
 
 
 def test_send_python_reaches_torchs_udf_entry(world: asyncrpc.Context) -> None:
@@ -186,12 +220,16 @@ def test_rref_to_here_names_the_owner_on_torchs_failures(world: asyncrpc.Context
 
 
 @pytest.mark.subprocess
-def test_import_changes_nothing_and_shutdown_puts_back_what_init_changed() -> None:
-    result = run_program("python", str(PROGRAMS / "side_effects.py"), timeout=90)
+@pytest.mark.parametrize("mode", ["init", "torch"])
+def test_import_changes_nothing_and_the_last_shutdown_puts_torch_back(mode: str) -> None:
+    result = run_program("python", str(PROGRAMS / "side_effects.py"), mode, timeout=90)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert "after import: no __await__" in result.stdout, result.stdout
-    assert "during: TP_SOCKET_IFNAME=lo" in result.stdout, result.stdout
-    assert "after shutdown: environment and threads as before" in result.stdout, result.stdout
+    for step in ("after import: unchanged", "during the world: patched"):
+        assert step in result.stdout, result.stdout
+    assert "after shutdown: unchanged" in result.stdout, result.stdout
+    assert "torch's elastic agent: unpatched" in result.stdout, result.stdout
+    if mode == "init":
+        assert "during: TP_SOCKET_IFNAME=lo" in result.stdout, result.stdout
 
 
 def test_the_static_rendezvous_keeps_its_store_where_we_put_it() -> None:

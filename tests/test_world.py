@@ -46,6 +46,7 @@ def test_context_roles() -> None:
         ({"num_worker_threads": 0}, "num_worker_threads must be a positive int"),
         ({"rpc_timeout": float("nan")}, "rpc_timeout must be a finite"),
         ({"intra_op_threads": -1}, "intra_op_threads must be a positive int"),
+        ({"heartbeat_timeout": 0}, r"heartbeat_timeout must be a finite number of seconds > 0"),
     ],
 )
 def test_bad_settings(options: dict[str, object], pattern: str) -> None:

@@ -1,48 +1,46 @@
 """The one call path: torch's `rpc_sync`, `rpc_async` and `remote`, same signatures.
 
-These three, every handle verb, `call_all` and the Ensemble's shards all go
-through `check` and `send`, and read their reply through one step, so a
-mistake, a dead worker, a timeout or a remote exception is reported the same
-way whichever verb made the call::
+These three, every handle verb, `call_all`, `Batch` and the Ensemble's
+shards all go through `check` and `send`, and read their reply through one
+step, so a mistake, a dead worker, a timeout or a remote exception is
+reported the same way whichever verb made the call::
 
     caller                                            callee
     check: a world runs, `to` is known, func callable,
            args a tuple, kwargs a dict, timeout >= 0
-    trace hook (one global read when not tracing)
-    Python function: sent as run_python(func, ...)  ─> runs func; an exception
-      (torch operators and TorchScript go as they      is returned as a Failure
-      are)                                              value, type and all
-    torch.distributed.rpc.rpc_async / remote
-    reply read: wait(), value(), await           <──
+    outgoing hook (the trace's; one global read when off)
+    classify(func): a Python function goes inside   ─> run_python / run_python_async:
+      a runner (torch operators and TorchScript go     runs func; an exception is
+      as they are)                                     returned as a Failure value
+    torch's rpc_async / remote
+    reply read: wait(), value(), await, to_here() <──
       a Failure ─> raised (its own type, and RemoteError)
       torch's RuntimeError ─> CallTimeoutError, WorkerUnreachableError,
                               SerializationError, naming the worker
     rpc_sync from an RPC thread: refused when it would take the last free one
 
-No callback runs per call: `rpc_async` returns torch's own Future, whose
-value passes torch's unwrap hook (check_reply) and whose failure is named
-when it is read (see asyncrpc/_core/_torch.py, name_future_failures); `rpc_sync`
-reads the reply on the waiting thread.
+No callback runs per call: a call's Future is torch's own, tagged with the
+worker and function; torch's read of it passes the unwrap hook
+(check_reply) and names torch's failures (asyncrpc/_core/_torch.py).
 """
 
 from __future__ import annotations
 
 import difflib
-import functools
-import sys
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any, NamedTuple, TypeAlias, TypeVar, cast, overload
+from typing import Any, NamedTuple, TypeAlias, TypeVar, overload
 
-import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from . import _failures, _torch, _world
+from . import _torch, _world
 from ._errors import NestedCallError, UnknownWorkerError
-from ._failures import check_reply, label_of
-from ._futures import check_seconds, completed
+from ._execution import Kind, classify, run_python, run_python_async
+from ._failures import check_reply, label_of, raise_unsendable
+from ._futures import check_seconds
 from ._torch import WorkerInfo
+from ._unwaited import unwaited_logging, watch_unwaited
 
 __all__ = [
     "Call",
@@ -52,8 +50,6 @@ __all__ = [
     "remote",
     "rpc_async",
     "rpc_sync",
-    "run_python",
-    "run_python_async",
     "send",
     "send_remote",
     "set_outgoing_hook",
@@ -141,7 +137,9 @@ def rpc_async(
         fut = asyncrpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
         print(fut.wait())
     """
-    return send(check("rpc_async", to, func, args, kwargs, timeout))
+    fut = send(check("rpc_async", to, func, args, kwargs, timeout))
+    _torch.collect_for_wait_all(fut)  # as torch's rpc_async does, inside rpc._wait_all()
+    return fut
 
 
 def remote(
@@ -214,9 +212,9 @@ def _worker_name(verb: str, to: object, names: Sequence[str]) -> str:
         return names[to]
     if isinstance(to, WorkerInfo):
         return _worker_name(verb, str(to.name), names)
-    raise TypeError(
+    raise ValueError(  # torch's own type here
         f"{verb}: 'to' must be a worker name, rank or WorkerInfo, got "
-        f"{type(to).__name__} {to!r:.60}"
+        f"{type(to).__name__} {to!r:.60}; e.g. to='worker1' or to=1"
     )
 
 
@@ -232,58 +230,42 @@ def check_timeout(verb: str, timeout: float | None) -> float:
 
 def send(call: Call) -> Future[Any]:
     """torch's rpc_async for a checked call; the reply reads as the module doc says."""
-    fut = _start(call)
+    sent, replied = _traced(call.worker, call.func)
+    func, args, kwargs = _wrapped(call.func, sent, call.args, call.kwargs)
+    try:
+        if kwargs is None and isinstance(call.to, WorkerInfo) and func in _RUNNERS:
+            is_async = func is run_python_async
+            fut = _torch.send_python(call.to, func, args or (), {}, call.seconds, is_async)
+        else:
+            fut = _torch.rpc_async(call.to, func, args=args, kwargs=kwargs, timeout=call.seconds)
+    except Exception as exc:
+        raise_unsendable(exc, call.worker, call.label)
     _torch.tag_future(fut, (call.worker, call.label))
     _torch.set_unwrap(fut, check_reply)
-    if _failures.unwaited_logging():
-        _failures.watch_unwaited(fut, call.worker, call.label)
-    return fut
-
-
-def _start(call: Call) -> Future[Any]:
-    sent, replied = _traced(call.worker, call.func)
-    sent, args, kwargs = _wrapped(sent, call.args, call.kwargs)
-    try:
-        if kwargs is None and isinstance(call.to, WorkerInfo) and sent in _RUNNERS:
-            is_async = sent is run_python_async
-            fut = _torch.send_python(call.to, sent, args or (), {}, call.seconds, is_async)
-        else:
-            fut = _torch.rpc_async(call.to, sent, args=args, kwargs=kwargs, timeout=call.seconds)
-    except Exception as exc:
-        _failures.raise_unsendable(exc, call.worker, call.label)
     if replied is not None:
         fut.add_done_callback(replied)
+    if unwaited_logging():
+        watch_unwaited(fut, call.worker, call.label)
     return fut  # type: ignore[no-any-return]
 
 
 def send_remote(call: Call) -> rpc.RRef[Any]:
-    """torch's remote for a checked call; the owner keeps the value (or the exception)."""
+    """torch's remote for a checked call; the owner keeps the value (or the Failure)."""
     sent, replied = _traced(call.worker, call.func)
-    args, kwargs, seconds = _tuple(call.args), call.kwargs, call.seconds
+    func, args, kwargs = _wrapped(call.func, sent, call.args, call.kwargs)
     try:
-        rref = _torch.remote(call.to, sent, args=args, kwargs=kwargs, timeout=seconds)
+        rref = _torch.remote(call.to, func, args=args, kwargs=kwargs, timeout=call.seconds)
     except Exception as exc:
-        _failures.raise_unsendable(exc, call.worker, call.label)
+        raise_unsendable(exc, call.worker, call.label)
     if replied is not None:
         _torch.rref_future(rref).add_done_callback(replied)
     return rref  # type: ignore[no-any-return]
 
 
 def call_sync(call: Call) -> Any:
-    """`send` and wait for the reply, refusing to block the last free RPC thread.
-
-    The reply is read here, on the waiting thread: no callback runs per call.
-    """
+    """`send` and wait for the reply, refusing to block the last free RPC thread."""
     with _holding_rpc_thread(call.worker, call.label):
-        fut = _start(call)
-        try:
-            value = fut.wait()
-        except BaseException as exc:
-            named = _failures.name_failure(exc, call.worker, call.label)
-            if named is exc:
-                raise
-            raise named from exc
-    return check_reply(value)
+        return send(call).wait()
 
 
 # While a trace records (asyncrpc._trace), it swaps each outgoing function for a
@@ -307,61 +289,22 @@ def _traced(worker: str, func: Callable[..., Any]) -> tuple[Callable[..., Any], 
     return hook(worker, func)
 
 
-def _wrapped(
-    func: Callable[..., Any], args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
-) -> tuple[Callable[..., Any], tuple[Any, ...] | None, Mapping[str, Any] | None]:
-    """A Python function goes inside run_python so that its exception keeps its type."""
-    target = _torch.async_target(func)
-    if _torch.is_builtin(func) or isinstance(func, torch.jit.ScriptFunction):
-        return func, _tuple(args), kwargs
-    if isinstance(target, torch.jit.ScriptFunction):
-        return func, _tuple(args), kwargs
-    runner = run_python if target is None else run_python_async
-    return runner, (func, _tuple(args) or (), dict(kwargs or {})), None
-
-
-def _tuple(args: Sequence[Any] | None) -> tuple[Any, ...] | None:
-    return None if args is None else tuple(args)
-
-
-# ---- the callee's side ----------------------------------------------------------------
-
-
-def run_python(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run a called function on the callee; an exception becomes the call's value.
-
-    As torch does, the callee also writes the error to its stderr.
-    """
-    try:
-        return func(*args, **kwargs)
-    except Exception as exc:
-        failure = _failures.capture(exc, _world.describe_self(), func)
-        print(failure.msg, file=sys.stderr, flush=True)
-        return failure
-
-
-def run_python_async(
-    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Future[Any]:
-    """run_python for an async_execution function: its Future's failure becomes a value."""
-    try:
-        fut = func(*args, **kwargs)
-    except Exception as exc:
-        return completed(_failures.capture(exc, _world.describe_self(), func))
-    if not isinstance(fut, _torch.FutureType):
-        return fut  # type: ignore[no-any-return]  # torch's own check reports it
-    return cast(Future[Any], fut.then(functools.partial(_settle_remote, func)))
-
-
-_torch.mark_async(run_python_async, run_python_async)
 _RUNNERS = (run_python, run_python_async)
 
 
-def _settle_remote(func: Callable[..., Any], fut: Future[Any]) -> Any:
-    try:
-        return fut.wait()
-    except Exception as exc:
-        return _failures.capture(exc, _world.describe_self(), func)
+def _wrapped(
+    func: Callable[..., Any],
+    sent: Callable[..., Any],
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+) -> tuple[Callable[..., Any], tuple[Any, ...] | None, Mapping[str, Any] | None]:
+    """What to send: `sent` inside its runner, or as torch sends it (by `func`'s kind)."""
+    kind = classify(func)
+    args = None if args is None else tuple(args)
+    if kind is Kind.TORCH:
+        return sent, args, kwargs
+    runner = run_python_async if kind is Kind.ASYNC else run_python
+    return runner, (sent, args or (), dict(kwargs or {})), None
 
 
 # ---- blocking calls from RPC threads --------------------------------------------------

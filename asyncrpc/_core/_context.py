@@ -25,7 +25,12 @@ def _default_channels() -> tuple[str, ...] | None:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Options shared by `init` and `run`; every field has a safe default."""
+    """Options shared by `init` and `run`; every field has a safe default.
+
+    Example::
+
+        asyncrpc.run(main, world_size=4, rpc_timeout=120, heartbeat_timeout=10)
+    """
 
     num_worker_threads: int = 16
     rpc_timeout: float = 60.0
@@ -40,13 +45,16 @@ class Settings:
     channels: tuple[str, ...] | None = dataclasses.field(default_factory=_default_channels)
     # None keeps the process's choice (asyncrpc.log_unwaited_failures, ASYNCRPC_LOG_UNWAITED).
     log_unwaited_failures: bool | None = None
+    # Launched worlds: a peer silent this long is taken for dead. A worker that holds
+    # the GIL for long (pickling a huge object) beats late: raise it for such programs.
+    heartbeat_timeout: float = 3.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
             raise ValueError(
                 f"num_worker_threads must be a positive int, got {self.num_worker_threads!r}"
             )
-        for field in ("rpc_timeout", "init_timeout"):
+        for field in ("rpc_timeout", "init_timeout", "heartbeat_timeout"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{field} must be a finite number of seconds > 0, got {value!r}")

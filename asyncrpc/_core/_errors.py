@@ -17,14 +17,18 @@ import signal
 __all__ = [
     "AsyncRPCError",
     "AwaitedNonFutureError",
+    "BatchNotSentError",
     "CallTimeoutError",
     "DuplicateNameError",
+    "NestedCallError",
     "NotAFutureError",
     "NotInitializedError",
     "PortInUseError",
     "RemoteError",
     "RendezvousError",
+    "SerializationError",
     "UnknownWorkerError",
+    "UnsupportedTorchError",
     "WorkerFailedError",
     "WorkerUnreachableError",
     "WorldSizeMismatchError",
@@ -195,4 +199,19 @@ class NestedCallError(AsyncRPCError, RuntimeError):
     them waits in a nested `rpc_sync`, nothing is left to process the replies,
     and the worker stalls until each call times out. asyncrpc refuses the call
     that would take the last thread instead.
+    """
+
+
+class UnsupportedTorchError(AsyncRPCError, RuntimeError):
+    """The installed torch lacks a private hook asyncrpc relies on.
+
+    The message names the hook and the torch versions asyncrpc is tested with.
+    """
+
+
+class BatchNotSentError(AsyncRPCError, RuntimeError):
+    """A Future of a `Batch` was read before the Batch was sent, or the Batch was dropped.
+
+    Its calls leave when the `with asyncrpc.Batch()` block ends or at
+    `batch.send()`; a Future read before that could never complete.
     """

@@ -1,45 +1,60 @@
-"""`async_execution`: remote functions that return a Future, or are `async def`.
+"""What runs on the callee: the kind of a callable, its runner, and `async_execution`.
 
-A callee thread that blocks on a nested RPC is lost until the reply comes;
-with every RPC thread blocked that way the callee deadlocks. An
-`async_execution` function instead hands torch a Future and returns at once;
-torch sends the reply when that Future completes::
+`classify` decides once, for every verb, how a callable is sent and run:
+torch operators and TorchScript functions go as torch sends them; a Python
+function runs inside `run_python`; an `async_execution` function, an
+`async def` or a coroutine-returning callable runs inside `run_python_async`,
+which hands torch a Future and frees the RPC thread::
 
     caller            callee (worker1)                            worker2
-    rpc_async ----->  f(...) runs on an RPC thread
+    rpc_async ----->  run_python_async(f, ...) on an RPC thread
                         async def: runs until `await fut` -------> nested call
                         returns Future `out`; the thread is free
                       ... reply from worker2 completes `fut`  <--
-                        its done-callback resumes the coroutine
-                        return value -> `out` completes
+                        its done-callback resumes the coroutine (_Task)
+                        return value, or a Failure -> `out` completes
     result    <-----  torch sends `out`'s value
 
-Failures travel as a `Failure` value (see `_failures`): an asyncrpc caller
-raises the exception with its own type, a plain torch caller a RuntimeError
-naming it; locally the Future's `wait()` raises it.
+A failure becomes the reply's value, a `Failure` (see `_failures`). Its
+form is decided per call: asyncrpc's runners ask for asyncrpc's form; when
+a plain torch caller calls one of our async_execution functions directly,
+the Failure crosses as torch's `RemoteException`, which torch raises there.
 
 torch Futures become awaitable (`await fut`, see `_futures.enable_await`)
-once asyncrpc needs it: when an `async def` is decorated here or a world
-starts (or is adopted). Inside an `async_execution` coroutine the coroutine
-is suspended until the Future is done; its `_Task` resumes it.
+once asyncrpc needs it; inside a coroutine run here, `await` suspends it
+until the Future is done and its `_Task` resumes it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import inspect
+import sys
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 import torch
 from torch.futures import Future
 
-from . import _failures, _torch
+from . import _torch
 from ._errors import AwaitedNonFutureError, NotAFutureError
-from ._futures import driving, enable_await
+from ._failures import capture, check_reply, label_of
+from ._futures import completed, driving, enable_await, new_future
+from ._world import describe_self
 
-__all__ = ["async_execution", "start_coroutine"]
+__all__ = [
+    "DESCRIBE_CALL",
+    "Kind",
+    "async_execution",
+    "classify",
+    "run_python",
+    "run_python_async",
+    "settle_future",
+    "start_coroutine",
+]
 
 F = TypeVar("F")
 
@@ -48,15 +63,129 @@ _AWAITABLES = (
 )
 
 
+class Kind(enum.Enum):
+    """How a callable is sent and run (see `classify`)."""
+
+    TORCH = "torch"  # a torch operator or TorchScript function: sent as torch sends it
+    SYNC = "sync"  # a Python function: runs on an RPC thread; its value is the reply
+    ASYNC = "async"  # async_execution, async def: runs without holding the RPC thread
+
+
+def classify(func: object) -> Kind:
+    """The kind of `func`: every verb, Batch and handle asks this, and only this."""
+    target = _torch.async_target(func)
+    if _torch.is_builtin(func) or isinstance(func, torch.jit.ScriptFunction):
+        return Kind.TORCH
+    if isinstance(target, torch.jit.ScriptFunction):
+        return Kind.TORCH  # torch runs an async TorchScript function by its name
+    if target is not None or _is_coroutine_function(func):
+        return Kind.ASYNC
+    return Kind.SYNC
+
+
+def _is_coroutine_function(func: object) -> bool:
+    call = None if inspect.isroutine(func) else getattr(func, "__call__", None)  # noqa: B004
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(call)
+
+
+# ---- the runners: what an asyncrpc call runs on the callee ---------------------------
+
+
+def run_python(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run a called function on the callee; an exception becomes the call's value.
+
+    As torch does, the callee also writes the error to its stderr.
+    """
+    try:
+        return func(*args, **kwargs)
+    except Exception as exc:
+        failure = capture(exc, describe_self(), _called(func, args))
+        print(getattr(failure.error, "remote_text", failure.error), file=sys.stderr, flush=True)
+        return failure
+
+
+# The Future an async_execution wrapper returns next goes straight back to an
+# asyncrpc caller (run_python_async asks): it carries failures in asyncrpc's form.
+_reply = threading.local()
+
+
+def run_python_async(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Future[Any]:
+    """Run an async callable on the callee; a Future of its value or its Failure."""
+    _reply.asked, _reply.made = True, None
+    try:
+        result = func(*args, **kwargs)
+    except Exception as exc:
+        return completed(capture(exc, describe_self(), _called(func, args)))
+    finally:
+        made, _reply.asked, _reply.made = _reply.made, False, None
+    if inspect.iscoroutine(result):
+        return start_coroutine(result, _called(func, args))
+    if isinstance(result, _torch.FutureType):
+        # One of ours already carries asyncrpc's form; torch's decorator's does not.
+        return result if result is made else settle_future(result, _called(func, args))
+    return completed(result)
+
+
+# A runner's function may say what a call of it is, for messages: a handle's owner
+# side names the object's method rather than itself (see _handles).
+DESCRIBE_CALL = "_asyncrpc_describe_call"
+
+
+def _called(func: Callable[..., Any], args: tuple[Any, ...]) -> object:
+    describe = getattr(func, DESCRIBE_CALL, None)
+    if describe is None:
+        return func
+    try:
+        return describe(*args)
+    except Exception:  # naming must never fail a call
+        return func
+
+
+_torch.mark_async(run_python_async, run_python_async)
+
+
+def _for_torch() -> bool:
+    """Called as one of our wrappers starts: False when run_python_async called it."""
+    asked = getattr(_reply, "asked", False)
+    _reply.asked = False
+    return not asked
+
+
+def _made(out: Future[Any], for_torch: bool) -> Future[Any]:
+    if not for_torch:
+        _reply.made = out
+    return out
+
+
+def settle_future(fut: Any, fn: object, for_torch: bool = False) -> Future[Any]:
+    """`fut`'s outcome as a new Future whose failure is a Failure value (named here)."""
+    out: Future[Any] = fut.then(functools.partial(_capture_outcome, fn, for_torch))
+    _torch.set_unwrap(out, check_reply)
+    return out
+
+
+def _capture_outcome(fn: object, for_torch: bool, fut: Future[Any]) -> Any:
+    try:
+        return fut.wait()
+    except Exception as exc:
+        return capture(exc, describe_self(), fn, for_torch)
+
+
+# ---- async_execution -------------------------------------------------------------------
+
+
 def async_execution(fn: F) -> F:
     """Mark a function whose result arrives later, so that no RPC thread waits for it.
 
     A drop-in for `torch.distributed.rpc.functions.async_execution`: `fn` may
     return a torch Future (from `rpc_async`, `then`, `Future()`), or be an
-    `async def` that awaits torch Futures. Works on functions, methods
-    (through RRef proxies too), `staticmethod`/`classmethod` in either
-    decorator order, and `@torch.jit.script` functions returning
-    `Future[T]` (this decorator outermost).
+    `async def` that awaits torch Futures (asyncrpc's verbs also run an
+    undecorated `async def` this way). Works on functions, methods (through
+    RRef proxies too), `staticmethod`/`classmethod` in either decorator
+    order, and `@torch.jit.script` functions returning `Future[T]` (this
+    decorator outermost).
 
     Example::
 
@@ -70,11 +199,9 @@ def async_execution(fn: F) -> F:
     """
     if isinstance(fn, (staticmethod, classmethod)):
         return cast(F, type(fn)(async_execution(fn.__func__)))
-    if isinstance(fn, torch.jit.ScriptFunction):
-        wrapper = _wrap_script(fn)
-    elif inspect.iscoroutinefunction(fn):
+    if inspect.iscoroutinefunction(fn):
         wrapper = _wrap_coroutine(fn)
-    elif callable(fn):
+    elif callable(fn):  # a function or a TorchScript function returning a Future
         wrapper = _wrap_returning_future(fn)
     else:
         raise TypeError(
@@ -85,17 +212,10 @@ def async_execution(fn: F) -> F:
     return cast(F, wrapper)
 
 
-def _wrap_script(fn: torch.jit.ScriptFunction[Any, Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
 def _wrap_returning_future(fn: Callable[..., Any]) -> Callable[..., Future[Any]]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Future[Any]:
+        for_torch = _for_torch()
         fut = fn(*args, **kwargs)
         if not isinstance(fut, _torch.FutureType):
             raise NotAFutureError(
@@ -104,61 +224,62 @@ def _wrap_returning_future(fn: Callable[..., Any]) -> Callable[..., Future[Any]]
                 f"{type(fut).__name__} {_short(fut)}; return {_AWAITABLES}, "
                 f"or write it as `async def` and return the value"
             )
-        # A failure becomes the reply's value (a Failure), so that it crosses to the
-        # caller with its type; a local wait() raises it.
-        out = fut.then(functools.partial(_capture_outcome, fn))
-        _torch.set_unwrap(out, _failures.check_reply)
-        return cast(Future[Any], out)
+        return _made(settle_future(fut, fn, for_torch), for_torch)
 
     return wrapper
 
 
 def _wrap_coroutine(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Future[Any]]:
-    enable_await()
-
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Future[Any]:
-        return start_coroutine(fn(*args, **kwargs), fn)
+        for_torch = _for_torch()
+        return _made(start_coroutine(fn(*args, **kwargs), fn, for_torch), for_torch)
 
     return wrapper
 
 
-def start_coroutine(coro: Coroutine[Any, Any, Any], fn: object) -> Future[Any]:
+def start_coroutine(
+    coro: Coroutine[Any, Any, Any], fn: object, for_torch: bool = False
+) -> Future[Any]:
     """Run `coro` on this thread until it awaits; a Future of its result (or Failure)."""
-    out: Future[Any] = Future()
-    _torch.set_unwrap(out, _failures.check_reply)
-    _Task(coro, out, fn).step()
+    enable_await()
+    out = new_future()
+    _Task(coro, out, fn, for_torch).step()
     return out
 
 
 class _Task:
     """Drives one coroutine: each awaited torch Future resumes it from its done-callback."""
 
-    __slots__ = ("_coro", "_fn", "_name", "_out")
+    __slots__ = ("_coro", "_fn", "_for_torch", "_out")
 
-    def __init__(self, coro: Coroutine[Any, Any, Any], out: Future[Any], fn: object) -> None:
+    def __init__(
+        self, coro: Coroutine[Any, Any, Any], out: Future[Any], fn: object, for_torch: bool
+    ) -> None:
         self._coro = coro
         self._out = out
         self._fn = fn
-        self._name = _name(fn)
+        self._for_torch = for_torch
 
     def step(self, error: BaseException | None = None) -> None:
         outer, driving.active = getattr(driving, "active", False), True
+        outcome: Any = None
         try:
             awaited = self._coro.throw(error) if error else self._coro.send(None)
         except StopIteration as stop:
-            self._out.set_result(stop.value)
-            return
+            outcome = stop.value
         except BaseException as exc:  # every failure must reach the caller
-            failure = _failures.capture_for_torch(self._explain(exc), _describe_self(), self._fn)
-            self._out.set_result(failure)
+            outcome = capture(self._explain(exc), describe_self(), self._fn, self._for_torch)
+        else:
+            if isinstance(awaited, _torch.FutureType):
+                awaited.add_done_callback(self._resume)
+            else:
+                self.step(self._not_a_future(awaited))
             return
         finally:
             driving.active = outer
-        if isinstance(awaited, _torch.FutureType):
-            awaited.add_done_callback(self._resume)
-        else:
-            self.step(self._not_a_future(awaited))
+        # Outside the handler: callbacks run inline here, and none may see `exc`.
+        self._out.set_result(outcome)
 
     def _resume(self, _: Future[Any]) -> None:
         self.step()
@@ -166,42 +287,28 @@ class _Task:
     def _not_a_future(self, awaited: object) -> AwaitedNonFutureError:
         what = "an asyncio Future" if asyncio.isfuture(awaited) else _short(awaited)
         return AwaitedNonFutureError(
-            f"{self._name} awaited {what}, which RPC threads cannot wait for (they run "
+            f"{_name(self._fn)} awaited {what}, which RPC threads cannot wait for (they run "
             f"no event loop); await a torch Future instead: {_AWAITABLES}"
         )
 
     def _explain(self, exc: BaseException) -> BaseException:
         if isinstance(exc, TypeError) and "can't be used in 'await' expression" in str(exc):
             err = AwaitedNonFutureError(
-                f"{self._name}: {exc}; only torch Futures can be awaited here: {_AWAITABLES}"
+                f"{_name(self._fn)}: {exc}; only torch Futures can be awaited here: {_AWAITABLES}"
             )
-            err.__cause__ = exc
-            return err
-        if isinstance(exc, RuntimeError) and "no running event loop" in str(exc):
+        elif isinstance(exc, RuntimeError) and "no running event loop" in str(exc):
             err = AwaitedNonFutureError(
-                f"{self._name}: asyncio needs an event loop, and RPC threads run no event loop "
-                f"({exc}); await a torch Future instead: {_AWAITABLES}"
+                f"{_name(self._fn)}: asyncio needs an event loop, and RPC threads run no "
+                f"event loop ({exc}); await a torch Future instead: {_AWAITABLES}"
             )
-            err.__cause__ = exc
-            return err
-        return exc
-
-
-def _capture_outcome(fn: object, fut: Future[Any]) -> Any:
-    try:
-        return fut.wait()
-    except Exception as exc:
-        return _failures.capture_for_torch(exc, _describe_self(), fn)
-
-
-def _describe_self() -> str:
-    from ._world import describe_self  # _world imports this module
-
-    return describe_self()
+        else:
+            return exc
+        err.__cause__ = exc
+        return err
 
 
 def _name(fn: object) -> str:
-    return f"{getattr(fn, '__qualname__', fn)}()"
+    return label_of(fn)
 
 
 def _short(value: object) -> str:

@@ -1,35 +1,40 @@
-"""How a failed call reaches its caller: with its type kept, and the worker named.
+"""How a failure reaches whoever reads it: one capture, one carrier, one raise, one naming.
 
-A remote function's exception travels as the call's *value*, so torch does
-not flatten it into a RuntimeError on the way; it is raised again when the
-caller reads the reply. torch's own failures (a timeout, a dead peer, a
-reply that cannot be pickled) are named where they are read::
+A failed outcome travels as a *value*, a `Failure`, never as an exception
+stored in a torch Future: torch would flatten a remote one into a
+RuntimeError, and a stored exception that is raised gains the reader's
+frames in its traceback, frames that hold the Future that holds the
+exception, a cycle through C++ that Python's gc cannot collect. So every
+read raises a fresh copy, and a held exception keeps no frame's locals::
 
-    callee (worker1)                                caller
-    run_python(func, args, kwargs)
-      func raises KeyError  ─> Failure(exc, where,   reply read: wait(), value(),
-                               traceback) returned   to_here(), await
-                               as the call's value   └─ check_reply: Failure ─> raise
-                                                        KeyError & RemoteError
+    callee (worker1)                               caller
+    func raises KeyError
+      capture(error, where, func) -> Failure        reply read: wait(), value(), await,
+        (KeyError & RemoteError, "On worker ..."      to_here(), local_value()
+         text; frames cleared)                      └─ check_reply(Failure) raises a fresh
+      on the wire: the pickled error, or its           copy: KeyError & RemoteError &
+      class and text if it cannot be pickled            RuntimeError, "On worker ..."
     torch fails the call (timeout, dead peer, unpicklable result)
-                                                     └─ RuntimeError ─> name_failure
-                                                        ─> CallTimeoutError, ...
+                                                    └─ torch's RuntimeError -> name_failure
+                                                       -> CallTimeoutError, ...
 
 A `RemoteError` is an instance of the type raised remotely *and* of
 RuntimeError (what torch raises there), so `except KeyError`,
-`except RuntimeError` and `except asyncrpc.RemoteError` all catch it.
-
-A failure nobody reads is lost, unless `log_unwaited_failures` is on: then
-it is logged once, when its Future is dropped unread (or fails after that).
+`except RuntimeError` and `except asyncrpc.RemoteError` all catch it. Local
+Futures asyncrpc fails (gather, with_timeout, Batch, fan-out) carry a
+`Failure` too (`hold`). A reply that goes to a plain torch caller (one of
+our async_execution functions called with torch's rpc_sync) crosses in
+torch's own form, `RemoteException`, which torch raises there.
 """
 
 from __future__ import annotations
 
-import logging
+import copy
 import os
 import pickle
 import threading
 import traceback
+import types
 from typing import Any, NoReturn
 
 from . import _torch
@@ -44,92 +49,151 @@ __all__ = [
     "Failure",
     "as_remote_error",
     "capture",
-    "capture_for_torch",
     "check_reply",
+    "hold",
     "label_of",
-    "log_unwaited_failures",
     "name_failure",
-    "name_future_failure",
-    "name_rref_failure",
     "raise_unsendable",
+    "release",
     "revive_remote",
-    "unwaited_logging",
-    "watch_unwaited",
 ]
 
 
 class Failure:
-    """A remote exception sent as a call's value; `error` is the exception to raise.
+    """A failed outcome carried as a value: a call's reply, or a local Future's result.
 
-    Not torch's `RemoteException`: torch's caller would turn that into a
-    RuntimeError before asyncrpc sees it.
+    `error` is kept with its frames cleared; each read raises a fresh copy.
+    With `for_torch`, it pickles as torch's `RemoteException`, for a torch caller.
     """
 
-    __slots__ = ("error", "msg")
+    __slots__ = ("error", "for_torch")
 
-    def __init__(self, msg: str, error: BaseException) -> None:
-        self.msg = msg
+    def __init__(self, error: BaseException, for_torch: bool = False) -> None:
         self.error = error
+        self.for_torch = for_torch
 
     def __reduce__(self) -> tuple[Any, ...]:
-        cls = type(self.error)
+        error = self.error
+        if self.for_torch:
+            return _torch.remote_exception(_plain_text(error), _base_type(error))
+        cls = _base_type(error)
         try:
-            payload: bytes | None = pickle.dumps(self.error)
-        except Exception:  # an exception holding unpicklable state: send its text
-            payload = None
-        return (_revive_failure, (self.msg, cls.__module__, cls.__qualname__, payload))
+            payload: bytes | None = pickle.dumps(error)
+            why = ""
+        except Exception as exc:  # held a lock, a local class...: send what can be sent
+            payload, why = None, f"{type(exc).__name__}: {exc}"
+        parts = (cls.__module__, cls.__qualname__, _own_text(error), _remote_text(error))
+        return (_revive, (*parts, payload, why))
+
+    def __repr__(self) -> str:
+        return f"Failure({self.error!r})"
 
 
-def _revive_failure(msg: str, module: str, qualname: str, payload: bytes | None) -> Failure:
-    error: BaseException
+def _revive(
+    module: str, qualname: str, message: str, where: str, payload: bytes | None, why: str
+) -> Failure:
+    """Unpickle a Failure on the reader's side; what cannot be rebuilt is named."""
+    name = f"{module}.{qualname}"
+    if payload is None:
+        error: BaseException = SerializationError(
+            f"{name} was raised, but it could not be pickled to be sent back ({why}); its "
+            f"message: {message!r}. Raise exceptions of module-level classes whose "
+            f"arguments and attributes can be pickled"
+        )
+        return Failure(as_remote_error(error, where) if where else error)
     try:
-        error = pickle.loads(payload) if payload is not None else RuntimeError(msg)
+        return Failure(pickle.loads(payload))
     except Exception as exc:
         error = SerializationError(
-            f"the remote function raised {module}.{qualname}, which this process cannot "
-            f"import ({exc}); make that module importable here too. Remote error: {msg}"
+            f"{name} was raised, but this process cannot rebuild it ({type(exc).__name__}: "
+            f"{exc}); its message: {message!r}. Make that module importable here too"
         )
-    return _failure(error, msg)
+        return Failure(as_remote_error(error, where) if where else error)
 
 
-def _failure(error: BaseException, msg: str) -> Failure:
-    return Failure(msg, error)
+def hold(error: BaseException, for_torch: bool = False) -> Failure:
+    """`error` as a Failure to set as a Future's result (frames released)."""
+    return Failure(release(error), for_torch)
 
 
-class TorchFailure(_torch.RemoteException):
-    """A remote exception in torch's own form, for an async_execution function's Future.
+def check_reply(value: object) -> object:
+    """The unwrap step of every read: a Failure raises a fresh copy of its error."""
+    if type(value) is Failure:
+        raise _fresh(value.error)
+    return value
 
-    torch sends it to its caller as a `RemoteException` (a plain torch caller
-    raises a RuntimeError naming the type); `error` is raised by a local
-    `wait()`, and by asyncrpc's callee wrapper, which sends it on as a `Failure`.
+
+def capture(error: BaseException, where: str, func: object, for_torch: bool = False) -> Failure:
+    """`error`, raised by `func` on this worker, as the value to send back.
+
+    The error becomes an instance of its own type and `RemoteError`, and its
+    text ends with where it was raised and the traceback.
     """
-
-    error: BaseException
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        cls = type(self.error)
-        base = getattr(cls, "_remote_base", cls)
-        return (_torch.RemoteException, (self.msg, base))
-
-
-def capture_for_torch(error: BaseException, where: str, func: object) -> TorchFailure:
-    """Like `capture`, in the form torch sends back from an async_execution Future."""
-    failure = capture(error, where, func)
-    torch_form = TorchFailure(failure.msg, type(failure.error))
-    torch_form.error = failure.error
-    return torch_form
-
-
-def capture(error: BaseException, where: str, func: object) -> Failure:
-    """`error`, raised by `func` on this worker, as a value to send back."""
     if isinstance(error, RemoteError):
-        return _failure(error, str(error))  # relayed: it already names its origin
+        return Failure(release(error), for_torch)  # relayed: it already names its origin
     text = _user_traceback(error)
     head = f"On {where}, in {label_of(func)}:"
-    return _failure(as_remote_error(error, f"{head}\n{text.rstrip()}"), f"{head}\n{text}")
+    return Failure(as_remote_error(release(error), f"{head}\n{text.rstrip()}"), for_torch)
 
 
-_INTERNAL = (os.path.dirname(__file__), os.path.join("torch", "futures"))
+# ---- keeping exceptions without frames, and copying them ---------------------------
+
+
+def release(error: BaseException) -> BaseException:
+    """Clear the locals of `error`'s finished frames and drop frames still running.
+
+    Done to every exception a Future keeps: its traceback then holds no
+    Future, argument or result, and the chain (`__cause__`, `__context__`)
+    likewise. Returns `error`.
+    """
+    seen: set[int] = set()
+    item: BaseException | None = error
+    stack = [error]
+    while stack:
+        item = stack.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        item.__traceback__ = _finished_frames(item.__traceback__)
+        stack += [e for e in (item.__cause__, item.__context__) if e is not None]
+    return error
+
+
+def _finished_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    kept: list[types.TracebackType] = []
+    while tb is not None:
+        try:
+            tb.tb_frame.clear()
+        except RuntimeError:  # still running (the frame that caught it): leave it out
+            pass
+        else:
+            kept.append(tb)
+        tb = tb.tb_next
+    rebuilt = None
+    for entry in reversed(kept):
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """A copy of `error` to raise: same type, arguments, attributes, chain and traceback."""
+    try:
+        if type(error).__module__ == "builtins":
+            twin = copy.copy(error)  # builtins keep fields their __init__ sets
+        else:  # never a user's __init__: it may take other arguments than `args`
+            twin = type(error).__new__(type(error), *error.args)
+            twin.args = error.args
+            twin.__dict__.update(getattr(error, "__dict__", {}))
+    except Exception:
+        return error  # cannot be copied: raise the kept one (its frames are cleared)
+    twin.__cause__, twin.__context__ = error.__cause__, error.__context__
+    twin.__suppress_context__ = error.__suppress_context__
+    return twin.with_traceback(error.__traceback__)
+
+
+# ---- the RemoteError twin of a remote exception ------------------------------------------
+
+_INTERNAL = (os.path.dirname(os.path.dirname(__file__)), os.path.join("torch", "futures"))
 
 
 def _user_traceback(error: BaseException) -> str:
@@ -140,13 +204,6 @@ def _user_traceback(error: BaseException) -> str:
         [f for f in frames if _INTERNAL[1] not in f.filename]
     )
     return "".join(summary.format())
-
-
-def check_reply(value: object) -> object:
-    """The unwrap step of every reply: raise a remote exception, pass anything else."""
-    if type(value) is Failure or type(value) is TorchFailure:
-        raise value.error
-    return value
 
 
 _subclasses: dict[type[BaseException], type[BaseException] | None] = {}
@@ -209,6 +266,32 @@ def _remote_subclass(cls: type[BaseException]) -> type[BaseException] | None:
         return _subclasses[cls]
 
 
+def _base_type(error: BaseException) -> type[BaseException]:
+    base: type[BaseException] = getattr(type(error), "_remote_base", type(error))
+    return base
+
+
+def _own_text(error: BaseException) -> str:
+    base = _base_type(error)
+    try:
+        return base.__str__(error)
+    except Exception:
+        return repr(error)
+
+
+def _remote_text(error: BaseException) -> str:
+    return str(getattr(error, "remote_text", ""))
+
+
+def _plain_text(error: BaseException) -> str:
+    """The whole message, as torch's `RemoteException` carries it to a torch caller."""
+    own, where = _own_text(error), _remote_text(error)
+    return f"{own}\n\n{where}" if own and where else own or where
+
+
+# ---- naming torch's own failures -----------------------------------------------------
+
+
 def name_failure(error: BaseException, worker: str, func: object) -> BaseException:
     """torch's RuntimeError for a failed call, named: which worker, what to do.
 
@@ -238,79 +321,26 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
             f"cannot import ({first}); make that module importable on both the caller and "
             f"{worker!r}"
         )
-    elif "'coroutine'" in first:
-        named = SerializationError(
-            f"{label_of(func)} on {worker!r} is an `async def` function, so calling it made a "
-            f"coroutine that cannot be sent back ({first}); decorate it with "
-            f"@asyncrpc.async_execution so the worker runs it"
-        )
     else:
         named = SerializationError(
-            f"the result of {label_of(func)} on {worker!r}, or something it raised, could not "
-            f"be sent back ({first}); return tensors or plain data, and keep other objects "
-            f"on the worker with asyncrpc.spawn"
+            f"the result of {label_of(func)} on {worker!r} could not be sent back ({first}); "
+            f"return tensors or plain data, and keep other objects on the worker with "
+            f"asyncrpc.spawn"
         )
     named.__cause__ = error
     return named
 
 
-def name_future_failure(error: BaseException, sent: tuple[str, object]) -> BaseException:
-    """`name_failure` for a Future's read; `sent` is its tag: (worker, func)."""
-    return name_failure(error, *sent)
-
-
-def name_rref_failure(error: BaseException, owner: str) -> BaseException:
-    """`name_failure` for torch's `RRef.to_here()`."""
-    return name_failure(error, owner, "RRef.to_here()")
-
-
-_logger = logging.getLogger("asyncrpc")
-_unwaited = [False]
-
-
-def log_unwaited_failures(enabled: bool = True) -> None:
-    """Log a call's failure when its Future is dropped without being read.
-
-    Off by default (it adds a callback per call). `asyncrpc.run(...,
-    log_unwaited_failures=True)` turns it on in every worker, and so does the
-    environment variable ``ASYNCRPC_LOG_UNWAITED=1``. The record goes to the
-    ``"asyncrpc"`` logger at WARNING, once per failed call. Example::
-
-        asyncrpc.log_unwaited_failures()
-        asyncrpc.rpc_async("worker1", update, args=(grads,))   # fire and forget
-        # WARNING asyncrpc: a call nobody waited for failed: ...
-    """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be True or False, got {enabled!r}")
-    _unwaited[0] = enabled
-
-
-def unwaited_logging() -> bool:
-    """True when failures nobody waited for are logged (`log_unwaited_failures`)."""
-    return _unwaited[0]
-
-
-def watch_unwaited(fut: object, worker: str, func: object) -> None:
-    """Log `fut`'s failure if it is dropped unread (see `log_unwaited_failures`)."""
-
-    def report(error: BaseException) -> None:
-        named = name_failure(error, worker, func) if type(error) is RuntimeError else error
-        _logger.warning(
-            "a call nobody waited for failed: %s on %s raised %s: %s; read its Future "
-            "(wait(), value(), await) to handle it",
-            label_of(func),
-            worker,
-            type(named).__name__,
-            (str(named).strip().splitlines() or [""])[0],
-        )
-
-    _torch.watch_unread(fut, report)
-
-
 def raise_unsendable(error: BaseException, worker: str, func: object) -> NoReturn:
-    """Raise `error` from sending a call; named SerializationError for an unpicklable argument."""
+    """Raise `error` from sending a call, named as a read names it (a dead peer, say).
+
+    An argument that cannot be pickled is a SerializationError that says what to send.
+    """
     if not isinstance(error, pickle.PicklingError) and "pickle" not in str(error).lower():
-        raise error
+        named = name_failure(error, worker, func)
+        if named is error:
+            raise error
+        raise named from error
     named = SerializationError(
         f"the arguments of {label_of(func)} could not be sent to {worker!r}: {error}; pass "
         f"tensors, numbers, strings and containers of them, or objects of module-level "
@@ -324,6 +354,8 @@ def label_of(func: object) -> str:
     """How a called function is named in messages: `Counter.add()`, `torch.add()`."""
     if isinstance(func, str):
         return func
+    if not callable(func) or not hasattr(func, "__qualname__"):
+        func = getattr(func, "__wrapped__", func)  # a callable object standing for a function
     target = _torch.async_target(func)
     if target is not None and not isinstance(func, type):
         func = target

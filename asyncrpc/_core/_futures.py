@@ -37,15 +37,18 @@ from typing import Any, TypeVar
 from torch.futures import Future
 
 from . import _torch
+from ._failures import check_reply, hold
 
 __all__ = [
     "as_completed",
+    "await_future",
     "chain",
     "completed",
     "driving",
     "enable_await",
     "failed",
     "gather",
+    "new_future",
     "wait_first",
     "with_timeout",
 ]
@@ -78,8 +81,15 @@ def failed(error: BaseException) -> Future[Any]:
         raise TypeError(
             f"failed() takes an exception instance, got {type(error).__name__} {error!r:.60}"
         )
+    fut = new_future()
+    fut.set_result(hold(error))
+    return fut
+
+
+def new_future() -> Future[Any]:
+    """A torch Future whose reads raise a carried `Failure` (see `_failures`)."""
     fut: Future[Any] = Future()
-    fut.set_exception(error)
+    _torch.set_unwrap(fut, check_reply)
     return fut
 
 
@@ -87,7 +97,7 @@ class Settle:
     """Completes `future` once: the first resolve/reject wins, later ones are ignored."""
 
     def __init__(self) -> None:
-        self.future: Future[Any] = Future()
+        self.future = new_future()
         self._lock = threading.Lock()
         self._done = False
 
@@ -104,7 +114,7 @@ class Settle:
 
     def reject(self, error: BaseException) -> None:
         if self._claim():
-            self.future.set_exception(error)
+            self.future.set_result(hold(error))
 
     def copy(self, source: Future[Any]) -> None:
         try:
@@ -232,7 +242,7 @@ def as_completed(
     items = _futures("as_completed", futs)
     deadline = None
     if timeout is not None:
-        deadline = time.monotonic() + check_seconds("as_completed", timeout)
+        deadline = time.monotonic() + check_seconds("as_completed", timeout, zero=False)
     done: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
     for item in items:
         item.add_done_callback(done.put)
@@ -253,13 +263,22 @@ def _drain(
             ) from None
 
 
-def check_seconds(verb: str, seconds: object, hint: str = "") -> float:
-    """A timeout in seconds as a float, or a TypeError/ValueError saying what was wrong."""
+def check_seconds(verb: str, seconds: object, hint: str = "", zero: bool = True) -> float:
+    """A timeout in seconds as a float, or a TypeError/ValueError saying what was wrong.
+
+    Everywhere in asyncrpc, as in torch, a timeout of 0 means "no timeout";
+    helpers that exist only to time out (`zero=False`) refuse it.
+    """
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         raise TypeError(f"{verb}: timeout must be seconds as a number, got {seconds!r}")
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(
             f"{verb}: timeout must be a finite number of seconds >= 0{hint}, got {seconds!r}"
+        )
+    if seconds == 0 and not zero:
+        raise ValueError(
+            f"{verb}: timeout=0 would mean no timeout (torch's meaning, which asyncrpc keeps), "
+            f"so {verb} would never time out; pass seconds > 0, or leave the timeout out"
         )
     return float(seconds)
 
@@ -273,7 +292,7 @@ def with_timeout(fut: Future[T], seconds: float) -> Future[T]:
         fut = asyncrpc.with_timeout(asyncrpc.rpc_async("worker1", slow), 5.0)
     """
     (source,) = _futures("with_timeout", [fut])
-    delay = check_seconds("with_timeout", seconds)
+    delay = check_seconds("with_timeout", seconds, zero=False)
     out = Settle()
     alarm = _clock.call_at(
         time.monotonic() + delay,
@@ -340,7 +359,7 @@ def enable_await() -> None:
         asyncrpc.enable_await()
         result = await asyncrpc.rpc_async("worker1", torch.add, args=(x, 1))
     """
-    _torch.install_await(_await_future)
+    _torch.install_await(await_future)
 
 
 # ---- making torch Futures awaitable --------------------------------------------------
@@ -349,7 +368,8 @@ def enable_await() -> None:
 driving = threading.local()
 
 
-def _await_future(fut: Future[Any]) -> Generator[Any, None, Any]:
+def await_future(fut: Future[Any]) -> Generator[Any, None, Any]:
+    """torch Future's `__await__` (see the module doc)."""
     if not fut.done():
         loop = None if getattr(driving, "active", False) else _running_loop()
         if loop is None:

@@ -11,6 +11,7 @@ instead of a hang::
       |    compare                   |   other world size     -> WorldSizeMismatchError
       |                              |   a name seen twice    -> DuplicateNameError
       `--> rpc.init_rpc(init_method="asyncrpc-store://") reuses the same store
+           (the scheme is registered with torch while a world runs: _torch.install)
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.rendezvous import register_rendezvous_handler
 
 from ._errors import DuplicateNameError, RendezvousError, WorldSizeMismatchError
 from ._net import listen_on
@@ -35,6 +35,7 @@ __all__ = [
     "agree",
     "client_store",
     "hand_off",
+    "handoff_handler",
     "host_store",
 ]
 
@@ -143,13 +144,11 @@ def _check_unique(names: tuple[str, ...]) -> None:
         )
 
 
-def _handoff_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
+def handoff_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
+    """torch's rendezvous handler for `asyncrpc-store://` (registered while a world runs)."""
     with _handoff_lock:
         store, rank, world_size = _handoff.pop("world")
     yield store, rank, world_size
-
-
-register_rendezvous_handler("asyncrpc-store", _handoff_handler)  # type: ignore[no-untyped-call]
 
 
 def hand_off(store: Store, rank: int, world_size: int) -> str:

@@ -1,24 +1,30 @@
-"""The torch boundary: every private torch name and every match on torch's message text.
+"""The torch boundary: every private torch name, every match on torch's text, every patch.
 
 `torch.distributed.rpc` is in maintenance mode and will not grow the hooks
 asyncrpc needs, so where asyncrpc reaches past torch's public API it does so
 here and nowhere else. tests/test_torch_boundary.py checks each item against
-the installed torch, so an upgrade that moves one fails there, by name.
+the installed torch; `install` checks the ones it patches and names any that
+is missing, with the torch versions asyncrpc is tested with.
 
-    asyncrpc modules ──> _torch ──> torch._C._distributed_rpc (agent, options)
-                                ──> torch._C.Future (_set_unwrap_func, __await__,
-                                    named reads), torch._C._collect_all
-                                ──> RRef._get_future, RRef.to_here, RemoteException
-                                ──> PythonUDF and its pickler (the direct send)
-                                ──> torch's error texts (timeout, transport, pickle)
+    asyncrpc ──> _torch ──> torch._C._distributed_rpc (agent, options, the UDF send)
+                        ──> torch._C.Future (_set_unwrap_func; patched: __await__,
+                            wait/value/then/add_done_callback), torch._C._collect_all
+                        ──> PyRRef (_get_future; patched: to_here, local_value)
+                        ──> rendezvous registries, torchrun's agent and static rendezvous
+                        ──> torch's error texts (timeout, transport, pickle)
+
+Process-wide patches are installed by `install` when a world first needs
+them, never at import, and `uninstall` puts back exactly what was there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -31,15 +37,20 @@ from torch._C import _distributed_rpc as _rpc_c
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch._C._distributed_rpc import PyRRef, WorkerInfo
 from torch.distributed.rpc import api as _rpc_api
-from torch.distributed.rpc.internal import PythonUDF, RemoteException
+from torch.distributed.rpc import internal as _rpc_internal
+
+from ._errors import UnsupportedTorchError
+
+# A module that `torch.distributed` shadows with a function of the same name.
+_rendezvous_module: Any = importlib.import_module("torch.distributed.rendezvous")
 
 __all__ = [
-    "ASYNC_MARK",
+    "TESTED_TORCH",
     "UNSET_TIMEOUT",
     "FutureType",
+    "Hooks",
     "PrefixStore",
     "PyRRef",
-    "RemoteException",
     "Store",
     "TCPStore",
     "WorkerInfo",
@@ -49,60 +60,58 @@ __all__ = [
     "async_target",
     "backend_options",
     "bound_static_rendezvous",
+    "collect_for_wait_all",
     "current_agent",
     "failure_kind",
+    "install",
     "install_await",
+    "installed",
     "interop_pool_started",
     "is_builtin",
     "is_rpc_thread",
     "mark_async",
-    "name_future_failures",
-    "name_rref_failures",
     "profiler_config",
     "quiet_torchscript",
     "register_rendezvous",
     "remote",
+    "remote_exception",
     "rpc_async",
     "rpc_sync",
     "rref_future",
     "send_python",
     "set_unwrap",
     "tag_future",
-    "uninstall_await",
+    "uninstall",
     "watch_agent_failures",
     "watch_unread",
     "worker_infos",
 ]
 
+TESTED_TORCH = ("2.13.0", "2.15.0")  # CI runs both ends of the declared range
 FutureType = torch._C.Future
 UNSET_TIMEOUT: float = rpc.constants.UNSET_RPC_TIMEOUT
 # torch's own verbs, bound once: a program may swap rpc.rpc_async for asyncrpc's.
 rpc_async = rpc.rpc_async
 remote = rpc.remote
 rpc_sync = rpc.rpc_sync
-
-
-def send_python(
-    to: WorkerInfo,
-    func: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    timeout: float,
-    is_async: bool,
-) -> Any:
-    """torch's `rpc_async` of a Python function, less its per-call Python bookkeeping.
-
-    Under an autograd profiler torch's own path runs, since it records RPCs.
-    """
-    if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
-        return rpc_async(to, func, args=args, kwargs=kwargs, timeout=timeout)
-    udf = PythonUDF(func, args, kwargs)
-    pickled, tensors = _rpc_api._default_pickler.serialize(udf)  # type: ignore[no-untyped-call]
-    return _rpc_c._invoke_rpc_python_udf(to, pickled, tensors, timeout, is_async)
-
-
 # torch's caller reads this attribute to send a call as async_execution.
 ASYNC_MARK = "_wrapped_async_rpc_function"
+
+
+def _require(hooks: dict[str, Callable[[], object]]) -> None:
+    """Raise UnsupportedTorchError naming the first private hook this torch lacks."""
+    for name, find in hooks.items():
+        try:
+            found = find()
+        except (AttributeError, ImportError):
+            found = None
+        if found is None:
+            raise UnsupportedTorchError(
+                f"asyncrpc needs torch's private {name}, which torch {torch.__version__} "
+                f"does not have; asyncrpc is tested with torch {' and '.join(TESTED_TORCH)}: "
+                f"install one of those (pip install torch=={TESTED_TORCH[-1]})"
+            )
+
 
 # ---- the agent ------------------------------------------------------------------------
 
@@ -157,6 +166,42 @@ def is_rpc_thread() -> bool:
     return isinstance(threading.current_thread(), threading._DummyThread)
 
 
+def profiler_config() -> Any:
+    """A profiler configuration that records every thread, torch's RPC threads included."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    return _ExperimentalConfig(profile_all_threads=True)
+
+
+# ---- sending --------------------------------------------------------------------------
+
+
+def send_python(
+    to: WorkerInfo,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    is_async: bool,
+) -> Any:
+    """torch's `rpc_async` of a Python function, less its per-call Python bookkeeping.
+
+    Under an autograd profiler torch's own path runs, since it records RPCs.
+    """
+    if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+        return rpc_async(to, func, args=args, kwargs=kwargs, timeout=timeout)
+    udf = _rpc_internal.PythonUDF(func, args, kwargs)
+    pickled, tensors = _rpc_api._default_pickler.serialize(udf)  # type: ignore[no-untyped-call]
+    return _rpc_c._invoke_rpc_python_udf(to, pickled, tensors, timeout, is_async)
+
+
+def collect_for_wait_all(fut: Any) -> None:
+    """Hand `fut` to torch's `rpc._wait_all()` block if one is open on this thread."""
+    pending = getattr(_rpc_api._thread_local_var, "future_list", None)
+    if pending is not None:
+        pending.append(fut)
+
+
 # ---- functions, Futures and RRefs -----------------------------------------------------
 
 
@@ -185,57 +230,117 @@ def rref_future(rref: Any) -> Any:
     return rref._get_future()
 
 
-def profiler_config() -> Any:
-    """A profiler configuration that records every thread, torch's RPC threads included."""
-    from torch._C._profiler import _ExperimentalConfig
-
-    return _ExperimentalConfig(profile_all_threads=True)
-
-
-def register_rendezvous(name: str, create: Callable[..., Any]) -> None:
-    """Register a torchrun rendezvous backend once."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    if name not in rendezvous_handler_registry._registry:
-        rendezvous_handler_registry.register(name, create)
+def remote_exception(text: str, cls: type[BaseException]) -> tuple[Any, ...]:
+    """The pickle reduction of torch's wire form of a remote exception (for torch callers)."""
+    found: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    if found is not cls:
+        cls = RuntimeError  # a class torch's caller could not import by name
+    return (_rpc_internal.RemoteException, (text, cls))
 
 
-# ---- naming the failures of RRef.to_here ----------------------------------------------
+# ---- process-wide patches: installed by `install`, put back by `uninstall` ------------
 
-_to_here = PyRRef.to_here
+_ABSENT = object()
+_patched: dict[tuple[int, str], tuple[Any, Any]] = {}  # (id, name) -> (holder, original)
+_patch_lock = threading.RLock()
 
 
-def name_rref_failures(name: Callable[[BaseException, str], BaseException]) -> None:
-    """Make `RRef.to_here()` raise `name(error, owner)` for torch's failures (once).
+def _patch(holder: Any, name: str, value: Any) -> None:
+    """Set `holder.name` (`holder[name]` for a dict), remembering what was there once."""
+    with _patch_lock:
+        if isinstance(holder, dict):
+            _patched.setdefault((id(holder), name), (holder, holder.get(name, _ABSENT)))
+            holder[name] = value
+        else:
+            _patched.setdefault((id(holder), name), (holder, vars(holder).get(name, _ABSENT)))
+            setattr(holder, name, value)
 
-    torch's RRef is a C++ type that asyncrpc cannot wrap, so `to_here` of
-    every RRef passes its RuntimeError through `name`, which returns an error
-    that is still a RuntimeError carrying torch's text.
+
+def uninstall() -> None:
+    """Put back everything `install` and `install_await` changed in torch, newest first."""
+    with _patch_lock:
+        for (_, name), (holder, original) in reversed(list(_patched.items())):
+            if isinstance(holder, dict):
+                if original is _ABSENT:
+                    holder.pop(name, None)
+                else:
+                    holder[name] = original
+            elif original is _ABSENT:
+                delattr(holder, name)
+            else:
+                setattr(holder, name, original)
+        _patched.clear()
+        _tags.clear()
+
+
+def installed() -> bool:
+    """True while asyncrpc's patches are in torch."""
+    return bool(_patched)
+
+
+class Hooks(NamedTuple):
+    """asyncrpc's side of the patches (given by the world that installs them)."""
+
+    await_future: Callable[[Any], Any]  # Future.__await__
+    name_read: Callable[[BaseException, Any], BaseException]  # a tagged Future's failure
+    name_rref: Callable[[BaseException, str], BaseException]  # to_here's failure, by owner
+    check_value: Callable[[object], object]  # an RRef's value: raise a carried failure
+    handoff: Callable[..., Any]  # the `asyncrpc-store://` rendezvous handler
+
+
+_CORE_HOOKS: dict[str, Callable[[], object]] = {
+    "torch._C.Future._set_unwrap_func": lambda: FutureType._set_unwrap_func,
+    "torch._C._collect_all": lambda: torch._C._collect_all,
+    "torch._C._distributed_rpc.PyRRef._get_future": lambda: PyRRef._get_future,
+    "torch._C._distributed_rpc._invoke_rpc_python_udf": lambda: _rpc_c._invoke_rpc_python_udf,
+    "torch._C._distributed_rpc._is_current_rpc_agent_set": lambda: (
+        _rpc_c._is_current_rpc_agent_set
+    ),
+    "torch.distributed.rpc.api._default_pickler": lambda: _rpc_api._default_pickler.serialize,
+    "torch.distributed.rpc.api._thread_local_var": lambda: _rpc_api._thread_local_var,
+    "torch.distributed.rpc.internal.PythonUDF": lambda: _rpc_internal.PythonUDF,
+    "torch.distributed.rpc.internal.RemoteException": lambda: _rpc_internal.RemoteException,
+    "torch.distributed.rendezvous._rendezvous_handlers": lambda: (
+        _rendezvous_module._rendezvous_handlers
+    ),
+    "torch.jit._builtins._find_builtin": lambda: torch.jit._builtins._find_builtin,
+}
+
+
+def install(hooks: Hooks) -> None:
+    """Install every process-wide patch a world needs (once; `uninstall` undoes them).
+
+    torch Futures become awaitable; reading a tagged Future, `to_here()` and
+    `local_value()` raise carried failures and name torch's; the
+    `asyncrpc-store://` rendezvous scheme exists for asyncrpc's `init_rpc`.
     """
-    with _await_lock:
-        if PyRRef.__dict__.get("to_here") is not _to_here:
+    with _patch_lock:
+        if (id(FutureType), "wait") in _patched:
             return
-
-        @functools.wraps(_to_here)
-        def to_here(self: Any, timeout: float = UNSET_TIMEOUT) -> Any:
-            try:
-                return _to_here(self, timeout)
-            except RuntimeError as exc:
-                named = name(exc, str(self.owner().name))
-                if named is exc:
-                    raise
-                raise named from exc
-
-        PyRRef.to_here = to_here  # type: ignore[method-assign]
+        _require(_CORE_HOOKS)
+        install_await(hooks.await_future)
+        _patch(FutureType, "wait", _named_read(FutureType.wait, hooks.name_read))
+        _patch(FutureType, "value", _named_read(FutureType.value, hooks.name_read))
+        _patch(FutureType, "then", _held(FutureType.then))
+        _patch(FutureType, "add_done_callback", _held(FutureType.add_done_callback))
+        _patch(torch._C, "_collect_all", _tagged_collect_all(torch._C._collect_all))
+        _patch(PyRRef, "to_here", _checked_to_here(PyRRef.to_here, hooks))
+        _patch(PyRRef, "local_value", _checked_local_value(PyRRef.local_value, hooks))
+        _patch(_rendezvous_module._rendezvous_handlers, "asyncrpc-store", hooks.handoff)
 
 
-def unname_rref_failures() -> None:
-    """Put torch's own `RRef.to_here` back."""
-    with _await_lock:
-        PyRRef.to_here = _to_here  # type: ignore[method-assign]
+def install_await(method: Callable[[Any], Any]) -> None:
+    """Give torch Futures an `__await__` (kept if torch ever ships its own)."""
+    if hasattr(FutureType, "__await__"):
+        return
+    with _patch_lock:
+        if not hasattr(FutureType, "__await__"):
+            _patch(FutureType, "__await__", method)
 
 
-# ---- naming the failures of a Future's reply -------------------------------------------
+# ---- naming the failures of reads ------------------------------------------------------
 
 # A Python done-callback per call cost about 8% of a burst's throughput, so no
 # callback names a failed call: the read does. `tag_future` notes where a
@@ -246,30 +351,16 @@ def unname_rref_failures() -> None:
 #     the caller kept none; the callback keeps the tagged one alive instead;
 #   - `collect_all`/`wait_all` fail with the first member's error, so the
 #     combined Future is tagged with its members.
-_future_wait = FutureType.wait
-_future_value = FutureType.value
-_future_then = FutureType.then
-_future_add_done_callback = FutureType.add_done_callback
-_collect_all = torch._C._collect_all
 _tags: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+# torch's own, taken before any patch: the unread watch must not count as a read.
+_future_wait = FutureType.wait
+_future_add_done_callback = FutureType.add_done_callback
 _Namer: TypeAlias = Callable[[BaseException, Any], BaseException]
 
 
 def tag_future(fut: Any, tag: object) -> None:
     """Pass `tag` to the namer when reading `fut` raises torch's RuntimeError."""
     _tags[fut] = tag
-
-
-def name_future_failures(name: _Namer) -> None:
-    """Make reads of tagged torch Futures raise `name(error, tag)` (installed once)."""
-    with _await_lock:
-        if FutureType.__dict__.get("wait") is not _future_wait:
-            return
-        FutureType.wait = _named_read(_future_wait, name)  # type: ignore[method-assign,assignment]
-        FutureType.value = _named_read(_future_value, name)  # type: ignore[method-assign,assignment]
-        FutureType.then = _held(_future_then)  # type: ignore[method-assign]
-        FutureType.add_done_callback = _held(_future_add_done_callback)  # type: ignore[method-assign]
-        torch._C._collect_all = _tagged_collect_all
 
 
 def _named_read(read: Callable[[Any], Any], name: _Namer) -> Callable[[Any], Any]:
@@ -280,7 +371,7 @@ def _named_read(read: Callable[[Any], Any], name: _Namer) -> Callable[[Any], Any
         try:
             return read(self)
         except RuntimeError as exc:
-            tag = _tag_of(self, exc)
+            tag = _tag_of(self, exc, read)
             named = exc if tag is None else name(exc, tag)
             if named is exc:
                 raise
@@ -289,17 +380,17 @@ def _named_read(read: Callable[[Any], Any], name: _Namer) -> Callable[[Any], Any
     return named_read
 
 
-def _tag_of(fut: Any, error: BaseException) -> Any:
+def _tag_of(fut: Any, error: BaseException, read: Callable[[Any], Any]) -> Any:
     tag = _tags.get(fut)
     if not isinstance(tag, _Members):
         return tag
     for member in tag.futures:  # the member that failed with this very error
         if member in _tags and member.done():
             try:
-                _future_wait(member)
+                read(member)
             except RuntimeError as exc:
                 if str(exc) == str(error):
-                    return _tag_of(member, error)
+                    return _tag_of(member, error, read)
     return None
 
 
@@ -322,13 +413,40 @@ class _Members(NamedTuple):
     futures: list[Any]
 
 
-def _tagged_collect_all(futures: list[Any]) -> Any:
-    combined = _collect_all(futures)
-    for fut in futures if _unread else ():
-        _mark_read(fut)
-    if any(fut in _tags for fut in futures):
-        _tags[combined] = _Members(list(futures))
-    return combined
+def _tagged_collect_all(collect: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    @functools.wraps(collect)
+    def tagged_collect_all(futures: list[Any]) -> Any:
+        combined = collect(futures)
+        for fut in futures if _unread else ():
+            _mark_read(fut)
+        if any(fut in _tags for fut in futures):
+            _tags[combined] = _Members(list(futures))
+        return combined
+
+    return tagged_collect_all
+
+
+def _checked_to_here(to_here: Callable[..., Any], hooks: Hooks) -> Callable[..., Any]:
+    @functools.wraps(to_here)
+    def checked_to_here(self: Any, timeout: float = UNSET_TIMEOUT) -> Any:
+        try:
+            value = to_here(self, timeout)
+        except RuntimeError as exc:
+            named = hooks.name_rref(exc, str(self.owner().name))
+            if named is exc:
+                raise
+            raise named from exc
+        return hooks.check_value(value)
+
+    return checked_to_here
+
+
+def _checked_local_value(local_value: Callable[[Any], Any], hooks: Hooks) -> Callable[[Any], Any]:
+    @functools.wraps(local_value)
+    def checked_local_value(self: Any) -> Any:
+        return hooks.check_value(local_value(self))
+
+    return checked_local_value
 
 
 # ---- failures nobody read --------------------------------------------------------------
@@ -385,7 +503,23 @@ def _mark_read(fut: Any) -> None:
         state.read = True
 
 
-# ---- torchrun's rendezvous -------------------------------------------------------------
+# ---- torchrun's rendezvous and agent (in the launcher's process) ----------------------
+
+
+def register_rendezvous(name: str, create: Callable[..., Any]) -> Callable[[], None]:
+    """Register a torchrun rendezvous backend; returns how to unregister it."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as handlers
+
+    _require({"rendezvous_handler_registry._registry": lambda: handlers._registry})
+    registry: dict[str, Any] = handlers._registry
+    if name in registry:
+        return lambda: None
+    handlers.register(name, create)
+
+    def unregister() -> None:
+        registry.pop(name, None)
+
+    return unregister
 
 
 def bound_static_rendezvous(
@@ -396,7 +530,8 @@ def bound_static_rendezvous(
     """torch's static TCP rendezvous, with the store made by `host_store`/`client_store`.
 
     It fills torch's private `_store` slot before torch would make its own
-    store (which listens on every interface).
+    store (which listens on every interface). A handler's `on_shutdown` runs
+    when the agent shuts the rendezvous down.
     """
     from torch.distributed.elastic.rendezvous import RendezvousInfo
     from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
@@ -407,10 +542,13 @@ def bound_static_rendezvous(
     class BoundStaticRendezvous(StaticTCPRendezvous):
         """torch's static rendezvous, with the store bound to the master address only."""
 
+        on_shutdown: Callable[[], None] | None = None
+
         def get_backend(self) -> str:
             return backend
 
         def next_rendezvous(self) -> RendezvousInfo:
+            _require({"StaticTCPRendezvous._store": lambda: "_store" in vars(self) or None})
             if self._store is None:
                 seconds = self.timeout.total_seconds()
                 if self.rank == 0:
@@ -423,24 +561,31 @@ def bound_static_rendezvous(
             store_view = PrefixStore(self.run_id, self._store)
             return RendezvousInfo(store_view, self.rank, self.world_size, info)
 
+        def shutdown(self) -> bool:
+            if self.on_shutdown is not None:
+                self.on_shutdown()
+            return bool(super().shutdown())
+
     return BoundStaticRendezvous
 
 
 def watch_agent_failures(
     report: Callable[[Any, str, list[tuple[int, int, int]], list[int]], None],
-) -> None:
+) -> Callable[[], None]:
     """Have torchrun's agent call `report(store, attempt, [(rank, pid, exitcode)], elsewhere)`.
 
     `elsewhere` lists the ranks of the world's workers on other nodes.
-
-    The agent learns every local worker's exit (signal included) first; this
-    wraps its private `_monitor_workers` so the world's store hears of it too.
+    Returns how to stop. The agent learns every local worker's exit (signal
+    included) first; this wraps its private `_monitor_workers` so the
+    world's store hears of it too.
     """
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+    _require({"LocalElasticAgent._monitor_workers": lambda: vars(LocalElasticAgent).get(
+        "_monitor_workers")})  # fmt: skip
     original = LocalElasticAgent._monitor_workers
     if getattr(original, "_asyncrpc", False):
-        return
+        return lambda: None
 
     def monitor(self: Any, worker_group: Any) -> Any:
         result = original(self, worker_group)
@@ -458,26 +603,11 @@ def watch_agent_failures(
     monitor._asyncrpc = True  # type: ignore[attr-defined]
     LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
 
+    def stop() -> None:
+        if LocalElasticAgent.__dict__.get("_monitor_workers") is monitor:
+            LocalElasticAgent._monitor_workers = original  # type: ignore[method-assign]
 
-# ---- awaiting torch Futures -----------------------------------------------------------
-
-_await_lock = threading.Lock()
-
-
-def install_await(method: Callable[[Any], Any]) -> bool:
-    """Give torch Futures an `__await__`; False when one is already there (kept)."""
-    with _await_lock:
-        if hasattr(FutureType, "__await__"):
-            return False
-        FutureType.__await__ = method  # type: ignore[attr-defined]
-        return True
-
-
-def uninstall_await(method: Callable[[Any], Any]) -> None:
-    """Remove the `__await__` that `install_await` put there (and only that one)."""
-    with _await_lock:
-        if FutureType.__dict__.get("__await__") is method:
-            del FutureType.__await__  # type: ignore[attr-defined]
+    return stop
 
 
 # ---- torch's failure texts ------------------------------------------------------------
@@ -510,19 +640,15 @@ def failure_kind(error: BaseException) -> str | None:
     return None
 
 
-def remote_exception_parts(value: object) -> tuple[str, type[BaseException]] | None:
-    """(message, type) when `value` is torch's wire form of a remote exception."""
-    if isinstance(value, RemoteException):
-        return str(value.msg), value.exception_type
-    return None
-
-
 # ---- TorchScript's warnings and torch's inter-op pool ---------------------------------
 
 
 @contextlib.contextmanager
 def quiet_torchscript(show: bool = False) -> Iterator[None]:
-    """Hide torch's TorchScript deprecation warnings inside the block, unless `show`."""
+    """Hide torch's TorchScript deprecation warnings inside the block, unless `show`.
+
+    torch 2.13 raises them as DeprecationWarning, 2.14 and later as FutureWarning.
+    """
     if show:
         yield
         return

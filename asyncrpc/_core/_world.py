@@ -28,11 +28,13 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from . import _failures, _net, _rendezvous, _torch
+from . import _net, _rendezvous, _torch
 from ._context import Context, Settings, names_for, resolve_world_size
 from ._errors import AsyncRPCError, NotInitializedError, WorldSizeMismatchError
-from ._futures import enable_await
+from ._failures import check_reply, name_failure
+from ._futures import await_future
 from ._torch import PrefixStore, Store, WorkerInfo
+from ._unwaited import log_unwaited_failures
 
 __all__ = ["Context", "Settings", "current_context", "init", "shutdown", "start"]
 
@@ -106,14 +108,28 @@ def _adopt() -> World:
 
 
 def _install_hooks() -> None:
-    # Installed when asyncrpc first meets a world, never at import: torch Futures
-    # become awaitable, and RRef.to_here and the reply of a call name the worker
-    # when torch fails.
-    enable_await()
+    # Installed when asyncrpc first meets a world, never at import, and removed by
+    # the shutdown that ends it (_torch.install / uninstall).
+    _torch.install(_HOOKS)
     if os.environ.get("ASYNCRPC_LOG_UNWAITED", "").lower() in ("1", "true", "yes"):
-        _failures.log_unwaited_failures(True)
-    _torch.name_rref_failures(_failures.name_rref_failure)
-    _torch.name_future_failures(_failures.name_future_failure)
+        log_unwaited_failures(True)
+
+
+def _name_read(error: BaseException, sent: tuple[str, object]) -> BaseException:
+    return name_failure(error, *sent)  # a call's tag: (worker, func)
+
+
+def _name_rref(error: BaseException, owner: str) -> BaseException:
+    return name_failure(error, owner, "RRef.to_here()")
+
+
+_HOOKS = _torch.Hooks(
+    await_future=await_future,
+    name_read=_name_read,
+    name_rref=_name_rref,
+    check_value=check_reply,
+    handoff=_rendezvous.handoff_handler,
+)
 
 
 def current_store() -> Store:
@@ -236,12 +252,13 @@ def start(
         _world = world
         _install_hooks()
         if settings.log_unwaited_failures is not None:
-            _failures.log_unwaited_failures(settings.log_unwaited_failures)
+            log_unwaited_failures(settings.log_unwaited_failures)
         try:
             _start_agent(world, master_addr)
         except BaseException:
             _world = None
             _put_back(world)
+            _torch.uninstall()
             raise
         _was_shut_down = False
         return context
@@ -338,7 +355,12 @@ def _set_intra_op_threads(world_size: int, wanted: int | None) -> None:
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Leave the RPC world; with `graceful`, first wait for every worker's pending work.
 
-    Does nothing when no world is running. Example::
+    torch's `rpc.shutdown`, same signature: in a world torch's `rpc.init_rpc`
+    started it shuts torch's agent down as `rpc.shutdown()` would; in an
+    `init`/`run` world it also puts back what `init` changed. Either way it
+    removes what asyncrpc patched into torch. Does nothing when no world runs.
+
+    Example::
 
         ctx = asyncrpc.init()
         try:
@@ -346,19 +368,20 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         finally:
             asyncrpc.shutdown()
     """
-    global _world, _was_shut_down
+    global _world, _adopted, _was_shut_down
     with _lock:
         world = _world
-        if world is None:
-            return
         try:
-            # A graceful shutdown still serves peers' calls while it waits, so the
-            # world stays visible to them (current_context, call checks) until it ends.
-            rpc.shutdown(graceful=graceful, timeout=timeout)
+            if world is not None or _torch.agent_running():
+                # A graceful shutdown still serves peers' calls while it waits, so the
+                # world stays visible to them (current_context, call checks) until it ends.
+                rpc.shutdown(graceful=graceful, timeout=timeout)
+                _was_shut_down = True
         finally:
-            _world = None
-            _was_shut_down = True
-            _put_back(world)
+            _world = _adopted = None
+            if world is not None:
+                _put_back(world)
+            _torch.uninstall()
 
 
 def _leave(graceful: bool) -> None:

@@ -59,9 +59,11 @@ class Fanout:
     `FanoutPlan` (serial on the whole intra-op budget; threads at each inter-op
     width; fork too when every member is a ScriptModule), alternating call by
     call, and every later call uses the fastest (`plan`; None until then).
-    `threads` fixes the inter-op width; each lane gets ``budget // threads``
-    intra-op threads. TorchScript's deprecation warnings stay hidden unless
-    ``show_warnings=True``.
+    `threads` fixes the inter-op width (and so the plan: nothing is timed);
+    each lane gets ``budget // threads`` intra-op threads. `names` label the
+    members in errors ("raised by <name>") and in traces (default
+    ``"member i (Linear)"``). TorchScript's deprecation warnings stay hidden
+    unless ``show_warnings=True``.
 
     Example::
 
@@ -77,9 +79,11 @@ class Fanout:
         *,
         engine: Engine = "auto",
         threads: int | None = None,
+        names: Sequence[str] | None = None,
         show_warnings: bool = False,
     ) -> None:
         self.members = _check_members(members)
+        self.names = _check_names(names, self.members)
         if engine not in _ENGINES:
             raise ValueError(f"engine must be one of {_ENGINES}, got {engine!r}")
         self.engine: Engine = engine
@@ -187,16 +191,16 @@ class Fanout:
         self, plan: FanoutPlan, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
     ) -> Future[list[Any]]:
         if plan.engine == "serial":
-            return _settle(lambda: [_call(m, i, a, k) for i, (m, (a, k)) in self._pairs(calls)])
+            return _settle(lambda: [_call(m, n, a, k) for m, n, (a, k) in self._triples(calls)])
         if plan.engine == "fork":
             return _settle(lambda: self._fork(plan, calls))
         pool = self._ensure_pool(plan)
         modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        futs = [pool.submit(_bind(m, i, a, k, modes)) for i, (m, (a, k)) in self._pairs(calls)]
+        futs = [pool.submit(_bind(m, n, a, k, modes)) for m, n, (a, k) in self._triples(calls)]
         return _futures.gather(futs)
 
-    def _pairs(self, calls: list[Any]) -> Iterator[tuple[int, tuple[Any, Any]]]:
-        return enumerate(zip(self.members, calls, strict=True))
+    def _triples(self, calls: list[Any]) -> Iterator[tuple[Any, str, Any]]:
+        return zip(self.members, self.names, calls, strict=True)
 
     def _ensure_pool(self, plan: FanoutPlan) -> Pool:
         with self._lock:
@@ -261,6 +265,18 @@ def _check_members(members: object) -> tuple[Callable[..., Any], ...]:
     return tuple(members)
 
 
+def _check_names(names: object, members: Sequence[Callable[..., Any]]) -> tuple[str, ...]:
+    if names is None:
+        return tuple(f"member {i} ({type(m).__name__})" for i, m in enumerate(members))
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise TypeError(f"names must be a list of strings, one per member, got {names!r:.60}")
+    if len(names) != len(members) or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            f"names must give one string per member ({len(members)}), got {list(names)!r:.80}"
+        )
+    return tuple(names)
+
+
 def _check_threads(threads: object) -> int | None:
     if threads is None:
         return None
@@ -301,27 +317,25 @@ def _intra_op_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _call(member: Callable[..., Any], index: int, args: Any, kwargs: Any) -> Any:
+def _call(member: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
     try:
         # A named span in torch's profiler (and so in asyncrpc.trace); cheap when off.
-        with torch.profiler.record_function(f"member {index} ({type(member).__name__})"):
+        with torch.profiler.record_function(name):
             return member(*args, **kwargs)
     except Exception as error:
-        note = getattr(error, "add_note", None)
-        if note is not None:
-            note(f"raised by fan-out member {index} ({type(member).__name__})")
+        error.add_note(f"raised by {name}")
         raise
 
 
 def _bind(
-    member: Callable[..., Any], index: int, args: Any, kwargs: Any, modes: tuple[bool, bool]
+    member: Callable[..., Any], name: str, args: Any, kwargs: Any, modes: tuple[bool, bool]
 ) -> Callable[[], Any]:
     grad, inference = modes
 
     def job() -> Any:
         # Grad and inference mode are thread-local: carry the caller's over.
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            return _call(member, index, args, kwargs)
+            return _call(member, name, args, kwargs)
 
     return job
 

@@ -2,7 +2,7 @@
 
     Fanout ── submit(job) ──> one queue ──> fanout-0 .. fanout-(n-1)
                                             (each: torch.set_num_threads(intra))
-    Future <── set_result / set_exception ──┘
+    Future <── set_result (a Failure for an error) ──┘
 
 Threads are joined at interpreter exit (`_exit`), so none is still inside
 torch while Python finalizes.
@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.futures import Future
 
+from .._core._failures import hold
+from .._core._futures import new_future
 from . import _exit
 
 
@@ -56,12 +58,12 @@ class Pool:
             try:
                 value = fn()
             except BaseException as error:  # delivered to the caller
-                fut.set_exception(error)
+                fut.set_result(hold(error))
             else:
                 fut.set_result(value)
 
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
+        fut = new_future()
         self._jobs.put((fn, fut))
         return fut
 

@@ -147,17 +147,24 @@ class Tuner:
 def candidate_plans(
     engine: Engine, members: int, threads: int | None, budget: int, scripted: bool
 ) -> list[FanoutPlan]:
-    """The plans an engine may run: one for a fixed engine, several for ``"auto"``."""
+    """The plans an engine may run: one for a fixed engine or width, several for ``"auto"``.
+
+    ``threads=`` fixes the inter-op width, so even ``"auto"`` has one plan then:
+    lanes at that width (serial for 1), nothing to time.
+    """
     serial = FanoutPlan("serial", 1, budget)
-    widths = [threads] if threads is not None else _widths(members, budget)
-    lanes = [FanoutPlan("threads", w, max(1, budget // w)) for w in widths if w > 1]
-    if engine == "serial":
+    if engine == "serial" or (members == 1 and engine == "auto"):
         return [serial]
     if engine in ("threads", "fork"):
         width = threads if threads is not None else max(1, min(members, budget))
         return [FanoutPlan(engine, width, max(1, budget // width))]
-    if members == 1:
-        return [serial]
+    if threads is not None:  # "auto" at a fixed width
+        return [
+            serial if threads == 1 else FanoutPlan("threads", threads, max(1, budget // threads))
+        ]
+    lanes = [
+        FanoutPlan("threads", w, max(1, budget // w)) for w in _widths(members, budget) if w > 1
+    ]
     forked = [FanoutPlan("fork", p.threads, p.intra_op_threads) for p in lanes[-1:]]
     return [serial, *lanes, *(forked if scripted else [])]
 

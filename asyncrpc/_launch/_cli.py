@@ -77,14 +77,13 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     from .._core import _torch
     from . import _liveness
 
-    # This process is the agent: let it name the workers it sees die.
-    _torch.watch_agent_failures(_liveness.report_exits)
     rank = int(params.config["rank"])
     timeout = int(params.config.get("timeout", _DEFAULT_TIMEOUT_S))
-    handler: RendezvousHandler = _handler_class()(
-        addr, port, rank, params.max_nodes, params.run_id, timeout
-    )
-    return handler
+    handler = _handler_class()(addr, port, rank, params.max_nodes, params.run_id, timeout)
+    # This process is the agent: let it name the workers it sees die, while the
+    # rendezvous lasts (torch's launcher shuts it down when the agent ends).
+    handler.on_shutdown = _torch.watch_agent_failures(_liveness.report_exits)
+    return handler  # type: ignore[no-any-return]
 
 
 def rendezvous_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
@@ -165,9 +164,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .._core import _torch
 
     args = build_args(sys.argv[1:] if argv is None else argv)
-    _torch.register_rendezvous(BACKEND, _create_handler)
+    unregister = _torch.register_rendezvous(BACKEND, _create_handler)
     _set_child_env(args)
-    run(args)  # type: ignore[no-untyped-call]
+    try:
+        run(args)  # type: ignore[no-untyped-call]
+    finally:
+        unregister()
 
 
 if __name__ == "__main__":

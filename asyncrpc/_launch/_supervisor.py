@@ -25,6 +25,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import sys
 import time
 import traceback
@@ -131,7 +132,8 @@ def _run_launched(
 ) -> None:
     ctx = _world.init(world_size=world_size, roles=roles, **_as_options(settings))
     # Keyed by attempt, as torchrun's agent keys its reports (_torch.watch_agent_failures).
-    live = Liveness(_world.current_store(), ctx.rank, ctx.names, str(ctx.attempt)).start()
+    store, tag = _world.current_store(), str(ctx.attempt)
+    live = Liveness(store, ctx.rank, ctx.names, tag, timeout=settings.heartbeat_timeout).start()
     try:
         main(ctx, *args)
     except BaseException as error:
@@ -163,6 +165,9 @@ def _run_embedded(
     attempt: int,
 ) -> WorkerFailedError | None:
     host = "127.0.0.1"
+    # Pickled here, loaded in the worker's own try: a worker that cannot load them
+    # sends the reason back instead of dying in multiprocessing's start-up.
+    payload = _pickled_main(main, args)
     store = _rendezvous.host_store(host, 0, settings.init_timeout)
     names = _context.names_for(world_size, roles)
     spawner = multiprocessing.get_context("spawn")
@@ -172,9 +177,7 @@ def _run_embedded(
         for rank in range(world_size):
             reader, writer = spawner.Pipe(duplex=False)
             spec = (rank, world_size, names[rank], host, store.port, settings, roles, attempt)
-            proc = spawner.Process(
-                target=_worker, args=(main, args, spec, writer), name=names[rank]
-            )
+            proc = spawner.Process(target=_worker, args=(payload, spec, writer), name=names[rank])
             proc.start()
             writer.close()
             procs.append(proc)
@@ -185,11 +188,32 @@ def _run_embedded(
         raise
 
 
+def _pickled_main(main: Callable[..., object], args: tuple[Any, ...]) -> bytes:
+    try:
+        return pickle.dumps((main, args))
+    except Exception as exc:
+        raise TypeError(
+            f"asyncrpc.run sends main and args to each worker process, but they cannot be "
+            f"pickled ({type(exc).__name__}: {exc}); pass module-level functions and "
+            f"classes, and plain data or tensors as args"
+        ) from exc
+
+
+def _load_main(payload: bytes) -> tuple[Callable[..., object], tuple[Any, ...]]:
+    try:
+        main, args = pickle.loads(payload)
+    except Exception as exc:
+        raise RuntimeError(
+            f"this worker could not load main and args from the script "
+            f"({type(exc).__name__}: {exc}); a worker imports the script as a module, so "
+            f"define main and everything in args at its top level, not under "
+            f'`if __name__ == "__main__":`'
+        ) from exc
+    return main, args
+
+
 def _worker(
-    main: Callable[..., object],
-    args: tuple[Any, ...],
-    spec: tuple[Any, ...],
-    errors: multiprocessing.connection.Connection,
+    payload: bytes, spec: tuple[Any, ...], errors: multiprocessing.connection.Connection
 ) -> None:
     rank, world_size, name, host, port, settings, roles, attempt = spec
     os.environ.update(
@@ -201,6 +225,7 @@ def _worker(
         MASTER_PORT=str(port),
     )
     try:
+        main, args = _load_main(payload)
         ctx = _world.start(
             rank,
             world_size,

@@ -13,13 +13,14 @@ so that its two ends can be joined afterwards::
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import pathlib
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.futures import Future
 
 from .._core import _calls, _torch, _world
 from .._core._errors import AsyncRPCError
+from .._core._execution import Kind, classify
 from . import _timeline
 
 __all__ = ["Trace", "outgoing", "recording", "trace"]
@@ -107,12 +109,10 @@ class _Traced:
     """A function sent while tracing: records its run on the callee under the call's id."""
 
     def __init__(self, fn: Callable[..., Any], call_id: int, caller: str) -> None:
-        self.fn = fn
+        self.fn = self.__wrapped__ = fn
         self.call_id = call_id
         self.caller = caller
-        self.is_async = _torch.async_target(fn) is not None
-        if self.is_async:
-            _torch.mark_async(self, fn)
+        self.is_async = classify(fn) is Kind.ASYNC
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         recorder = _recorder
@@ -129,11 +129,20 @@ class _Traced:
         except BaseException:
             record(False)
             raise
+        if inspect.iscoroutine(result):  # an undecorated async def: ends when it does
+            return _recorded(result, record)
         if isinstance(result, Future) and self.is_async:
             result.add_done_callback(lambda _: record(True))
         else:
             record(False)
         return result
+
+
+async def _recorded(coro: Coroutine[Any, Any, Any], record: Callable[[bool], None]) -> Any:
+    try:
+        return await coro
+    finally:
+        record(True)
 
 
 def _label(fn: object) -> str:
@@ -158,9 +167,8 @@ def outgoing(
     recorder = _recorder
     if recorder is None:
         return fn, None
-    wrapped = _torch.async_target(fn) or fn
     start, thread = time.time_ns(), _this_thread()
-    if isinstance(wrapped, torch.jit.ScriptFunction):
+    if isinstance(fn, torch.jit.ScriptFunction):
         call_id = 0  # sent by name to TorchScript: the callee's side cannot be marked
         sent: Callable[..., Any] = fn
     else:

@@ -1,17 +1,20 @@
-"""Every failure through every verb: the same error type each time, naming the worker.
+"""Every failure through every verb: the same error each time, naming the worker.
 
 This process is worker0 of a 3-worker world started with asyncrpc.init (so a
 killed worker does not end the world); worker1 and worker2 are spawned
-helpers. The world's timeout is 2 s. Prints one row per failure and one
+helpers. The world's timeout is 1 s. Prints one row per failure and one
 column per verb, each cell the type of the error that reached the caller,
-then `mismatches: N` (0 when every cell is the expected type and, where a
-worker is involved, names it). The last row kills worker2 with SIGKILL.
+then `mismatches: N` (0 when every cell is the expected type, names the
+worker and, for an error raised remotely, is also a RemoteError and a
+RuntimeError carrying the remote traceback). The last row kills worker2.
 
     python tests/programs/failure_table.py
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import multiprocessing
 import os
 import signal
@@ -26,7 +29,21 @@ import torch
 
 import asyncrpc
 
-TIMEOUT_S = 2.0
+TIMEOUT_S = 1.0
+
+
+class Rejected(Exception):
+    """A user exception whose __init__ takes more than the message."""
+
+    def __init__(self, reason: str, code: int) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+class HoldsALock(Exception):
+    def __init__(self) -> None:
+        super().__init__("holds a lock")
+        self.lock = threading.Lock()
 
 
 def lookup() -> int:
@@ -45,8 +62,28 @@ def asyncrpc_error() -> None:
     raise asyncrpc.NotAFutureError("a remote asyncrpc error")
 
 
+def rejected() -> None:
+    raise Rejected("too big", 413)
+
+
+def unpicklable_error() -> None:
+    raise HoldsALock()
+
+
+def local_class_error() -> None:
+    class Local(Exception):
+        pass
+
+    raise Local("a class defined in a function")
+
+
+async def fails_after_await() -> None:
+    await asyncrpc.rpc_async(asyncrpc.current_context().name, pid)
+    raise ValueError("raised after an await")
+
+
 def sleep_long() -> int:
-    time.sleep(3 * TIMEOUT_S)
+    time.sleep(2.5 * TIMEOUT_S)
     return 0
 
 
@@ -68,12 +105,19 @@ class Runner:
     def run(self, func: Callable[..., Any], *args: Any) -> Any:
         return func(*args)
 
+    async def run_async(self, func: Callable[..., Any], *args: Any) -> Any:
+        return await func(*args)
+
 
 TROUBLES: list[Callable[[], Any]] = [
     lookup,
     divide,
     open_missing,
     asyncrpc_error,
+    rejected,
+    unpicklable_error,
+    local_class_error,
+    fails_after_await,
     sleep_long,
     lock,
 ]
@@ -83,60 +127,111 @@ class Trouble(torch.nn.Module):
     """An Ensemble member whose forward runs TROUBLES[code], or returns its input."""
 
     def forward(self, code: Any) -> Any:
-        if isinstance(code, torch.Tensor):
-            return TROUBLES[int(code)]()
-        return code
+        if not isinstance(code, torch.Tensor):
+            return code
+        result = TROUBLES[int(code)]()
+        return asyncio.run(result) if inspect.iscoroutine(result) else result
 
 
 def first(outputs: list[Any]) -> Any:
     return outputs[0]
 
 
-FAILURES: list[tuple[str, Any, tuple[Any, ...], type[BaseException]]] = [
-    # name, function (or Ensemble input), arguments, expected type
-    ("remote KeyError", lookup, (), KeyError),
-    ("remote ZeroDivisionError", divide, (), ZeroDivisionError),
-    ("remote OSError", open_missing, (), FileNotFoundError),
-    ("remote asyncrpc error", asyncrpc_error, (), asyncrpc.NotAFutureError),
-    ("timeout", sleep_long, (), asyncrpc.CallTimeoutError),
-    ("unpicklable argument (lambda)", identity, (lambda: 1,), asyncrpc.SerializationError),
-    ("unpicklable argument (lock)", identity, (threading.Lock(),), asyncrpc.SerializationError),
-    ("unpicklable result", lock, (), asyncrpc.SerializationError),
+REMOTE = True  # raised by the remote function: also RemoteError, with its traceback
+FAILURES: list[tuple[str, Any, tuple[Any, ...], type[BaseException], bool]] = [
+    # name, function (or Ensemble input), arguments, expected type, raised remotely
+    ("remote KeyError", lookup, (), KeyError, REMOTE),
+    ("remote ZeroDivisionError", divide, (), ZeroDivisionError, REMOTE),
+    ("remote OSError", open_missing, (), FileNotFoundError, REMOTE),
+    ("remote asyncrpc error", asyncrpc_error, (), asyncrpc.NotAFutureError, REMOTE),
+    ("remote error with a two-argument __init__", rejected, (), Rejected, REMOTE),
+    ("remote error that cannot be pickled", unpicklable_error, (),
+     asyncrpc.SerializationError, REMOTE),
+    ("remote error of a local class", local_class_error, (),
+     asyncrpc.SerializationError, REMOTE),
+    ("async def raising after an await", fails_after_await, (), ValueError, REMOTE),
+    ("timeout", sleep_long, (), asyncrpc.CallTimeoutError, False),
+    ("unpicklable argument (lambda)", identity, (lambda: 1,), asyncrpc.SerializationError,
+     False),
+    ("unpicklable argument (lock)", identity, (threading.Lock(),), asyncrpc.SerializationError,
+     False),
+    ("unpicklable result", lock, (), asyncrpc.SerializationError, False),
+]  # fmt: skip
+VERBS = [
+    "rpc_sync",
+    "rpc_async().wait()",
+    "rpc_async().value()",
+    "await rpc_async()",
+    "remote().to_here()",
+    "call",
+    "call_async",
+    "call_remote",
+    "rpc_sync() proxy",
+    "rpc_async() proxy",
+    "call_all",
+    "Ensemble",
+    "Batch",
 ]
-VERBS = ["rpc_sync", "rpc_async", "remote", "call", "call_async", "call_all", "Ensemble"]
+
+
+def _value_when_done(fut: torch.futures.Future[Any]) -> Any:
+    done = threading.Event()
+    fut.add_done_callback(lambda _: done.set())
+    done.wait(30)
+    return fut.value()
+
+
+async def _awaited(fut: torch.futures.Future[Any]) -> Any:
+    return await fut
+
+
+def _batched(to: str, func: Any, args: tuple[Any, ...]) -> Any:
+    with asyncrpc.Batch() as batch:
+        fut = batch.rpc_async(to, func, args=args)
+    return fut.wait()
 
 
 def through(verb: str, to: str, func: Any, args: tuple[Any, ...]) -> Any:
     """Run one call `func(*args)` on `to` through one verb, and read its result."""
-    if verb == "rpc_sync":
-        return asyncrpc.rpc_sync(to, func, args=args)
-    if verb == "rpc_async":
-        return asyncrpc.rpc_async(to, func, args=args).wait()
-    if verb == "remote":
-        return asyncrpc.remote(to, func, args=args).to_here()
+    calls: dict[str, Callable[[], Any]] = {
+        "rpc_sync": lambda: asyncrpc.rpc_sync(to, func, args=args),
+        "rpc_async().wait()": lambda: asyncrpc.rpc_async(to, func, args=args).wait(),
+        "rpc_async().value()": lambda: _value_when_done(asyncrpc.rpc_async(to, func, args=args)),
+        "await rpc_async()": lambda: asyncio.run(_awaited(asyncrpc.rpc_async(to, func, args))),
+        "remote().to_here()": lambda: asyncrpc.remote(to, func, args=args).to_here(),
+        "Batch": lambda: _batched(to, func, args),
+    }
+    if verb in calls:
+        return calls[verb]()
     if verb == "Ensemble":
         ens = asyncrpc.Ensemble(Trouble, 1, workers=[to], combine=first)
         code = torch.tensor(TROUBLES.index(func)) if func in TROUBLES else args[0]
         return ens(code)
     runner = asyncrpc.spawn(to, Runner)
-    if verb == "call":
-        return runner.call("run", func, *args)
-    if verb == "call_async":
-        return runner.call_async("run", func, *args).wait()
-    return asyncrpc.call_all([runner], "run", func, *args).wait()
+    method = "run_async" if inspect.iscoroutinefunction(func) else "run"
+    handle_calls: dict[str, Callable[[], Any]] = {
+        "call": lambda: runner.call(method, func, *args),
+        "call_async": lambda: runner.call_async(method, func, *args).wait(),
+        "call_remote": lambda: runner.call_remote(method, func, *args).to_here(),
+        "rpc_sync() proxy": lambda: getattr(runner.rpc_sync(), method)(func, *args),
+        "rpc_async() proxy": lambda: getattr(runner.rpc_async(), method)(func, *args).wait(),
+        "call_all": lambda: asyncrpc.call_all([runner], method, func, *args).wait(),
+    }
+    return handle_calls[verb]()
 
 
-def _runs(verb: str, to: str, func: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
-    return lambda: through(verb, to, func, args)
-
-
-def outcome(run: Callable[[], Any], expected: type[BaseException], worker: str) -> str:
+def outcome(
+    run: Callable[[], Any], expected: type[BaseException], worker: str, remote: bool = False
+) -> str:
     try:
         run()
     except BaseException as exc:
-        ok = isinstance(exc, expected)
-        named = worker in str(exc) or worker in repr(exc)
-        return type(exc).__name__ if ok and named else f"!{type(exc).__name__}: {exc!s:.200}"
+        text = f"{exc}\n{exc!r}"
+        ok = isinstance(exc, expected) and worker in text
+        if remote:  # also RemoteError and RuntimeError, with where and the traceback
+            ok = ok and isinstance(exc, RuntimeError) and isinstance(exc, asyncrpc.RemoteError)
+            ok = ok and f"On worker '{worker}'" in text and ", line " in text
+        return type(exc).__name__ if ok else f"!{type(exc).__name__}: {exc!s:.300}"
     return "!no error"
 
 
@@ -164,34 +259,52 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def main() -> int:
-    rows = [
-        (name, [outcome(_runs(v, "worker1", func, args), expected, "worker1") for v in VERBS])
-        for name, func, args, expected in FAILURES
-    ]
-    unknown = asyncrpc.UnknownWorkerError
-    rows.append(
-        ("unknown worker", [outcome(_runs(v, "worker9", identity, (1,)), unknown, "worker9")
-                            for v in VERBS])
-    )  # fmt: skip
+def _killed_row() -> list[str]:
     # Everything that will call the killed worker is made while it lives.
     runner = asyncrpc.spawn("worker2", Runner)
     ens = asyncrpc.Ensemble(Trouble, 1, workers=["worker2"], combine=first)
     rref = asyncrpc.remote("worker2", identity, args=(1,))
-    victim = asyncrpc.rpc_sync("worker2", pid)
-    os.kill(victim, signal.SIGKILL)
+    os.kill(asyncrpc.rpc_sync("worker2", pid), signal.SIGKILL)
     time.sleep(0.5)
+    to = "worker2"
     dead: dict[str, Callable[[], Any]] = {
-        "rpc_sync": lambda: asyncrpc.rpc_sync("worker2", identity, args=(1,)),
-        "rpc_async": lambda: asyncrpc.rpc_async("worker2", identity, args=(1,)).wait(),
-        "remote": lambda: rref.to_here(),
+        "rpc_sync": lambda: asyncrpc.rpc_sync(to, identity, args=(1,)),
+        "rpc_async().wait()": lambda: asyncrpc.rpc_async(to, identity, args=(1,)).wait(),
+        "rpc_async().value()": lambda: _value_when_done(asyncrpc.rpc_async(to, identity, (1,))),
+        "await rpc_async()": lambda: asyncio.run(_awaited(asyncrpc.rpc_async(to, identity, (1,)))),
+        "remote().to_here()": lambda: rref.to_here(),
         "call": lambda: runner.call("run", identity, 1),
         "call_async": lambda: runner.call_async("run", identity, 1).wait(),
+        "call_remote": lambda: runner.call_remote("run", identity, 1).to_here(),
+        "rpc_sync() proxy": lambda: runner.rpc_sync().run(identity, 1),
+        "rpc_async() proxy": lambda: runner.rpc_async().run(identity, 1).wait(),
         "call_all": lambda: asyncrpc.call_all([runner], "run", identity, 1).wait(),
         "Ensemble": lambda: ens(1),
+        "Batch": lambda: _batched(to, identity, (1,)),
     }
-    killed = [outcome(dead[v], asyncrpc.WorkerUnreachableError, "worker2") for v in VERBS]
-    rows.append(("killed worker", killed))
+    return [outcome(dead[v], asyncrpc.WorkerUnreachableError, to) for v in VERBS]
+
+
+def main() -> int:
+    rows = []
+    for name, func, args, expected, remote in FAILURES:
+        cells = [
+            outcome(
+                lambda v=v, f=func, a=args: through(v, "worker1", f, a),
+                expected,
+                "worker1",
+                remote,
+            )
+            for v in VERBS
+        ]
+        rows.append((name, cells))
+    unknown = [
+        outcome(lambda v=v: through(v, "worker9", identity, (1,)), asyncrpc.UnknownWorkerError,
+                "worker9")
+        for v in VERBS
+    ]  # fmt: skip
+    rows.append(("unknown worker", unknown))
+    rows.append(("killed worker", _killed_row()))
     bad = table(rows)
     print(f"mismatches: {bad}", flush=True)
     return bad

@@ -1,24 +1,86 @@
-"""Importing asyncrpc changes nothing; shutdown puts back what init changed."""
+"""Importing asyncrpc changes nothing in torch; a world patches torch, its shutdown puts it back.
 
+    python tests/programs/side_effects.py [init|torch]
+
+`init`: a world started by asyncrpc.init; `torch`: one started by torch's
+own rpc.init_rpc and adopted by asyncrpc, ended by asyncrpc.shutdown().
+Prints one line per step; exits non-zero at the first difference.
+"""
+
+import atexit
+import importlib
 import os
+import sys
+import warnings
 
 import torch
-
-import asyncrpc
+import torch.distributed.rpc as rpc
 
 KEYS = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
+
+def torch_state() -> dict[str, object]:
+    """What asyncrpc may change in torch: classes, registries, hooks, environment."""
+    from torch._C._distributed_rpc import PyRRef
+
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    state: dict[str, object] = {
+        f"{cls.__module__}.{cls.__qualname__}": dict(vars(cls))
+        for cls in (torch._C.Future, torch.futures.Future, PyRRef)
+    }
+    state["torch._C._collect_all"] = torch._C._collect_all
+    state["rendezvous handlers"] = dict(handlers)
+    state["atexit callbacks"] = atexit._ncallbacks()
+    state["warning filters"] = len(warnings.filters)
+    state["environment"] = {k: os.environ.get(k) for k in KEYS}
+    state["intra-op threads"] = torch.get_num_threads()
+    return state
+
+
+def differences(before: dict[str, object], after: dict[str, object]) -> list[str]:
+    found = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed = sorted(k for k in set(old) | set(new) if old.get(k) is not new.get(k))
+            if changed:
+                found.append(f"{key}: {changed}")
+        elif old != new:
+            found.append(f"{key}: {old!r} -> {new!r}")
+    return found
+
+
+def check(step: str, before: dict[str, object], expect_same: bool = True) -> None:
+    found = differences(before, torch_state())
+    if bool(found) == expect_same:
+        print(f"{step}: {'changed' if found else 'unchanged'} {found}", flush=True)
+        sys.exit(1)
+    print(f"{step}: {'unchanged' if expect_same else 'patched'}", flush=True)
+
+
 if __name__ == "__main__":
+    mode = sys.argv[1] if len(sys.argv) > 1 else "init"
     for key in KEYS:
         os.environ.pop(key, None)
-    assert not hasattr(torch._C.Future, "__await__"), "import gave Futures an __await__"
-    print("after import: no __await__")
     torch.set_num_threads(2)
-    before = ({k: os.environ.get(k) for k in KEYS}, torch.get_num_threads())
-    asyncrpc.init(rank=0, world_size=1, master_port=0, intra_op_threads=1)
-    print(f"during: TP_SOCKET_IFNAME={os.environ.get('TP_SOCKET_IFNAME')}")
-    assert torch.get_num_threads() == 1
+    before = torch_state()
+    import asyncrpc
+
+    check("after import", before)
+    if mode == "init":
+        asyncrpc.init(rank=0, world_size=1, master_port=0, intra_op_threads=1)
+        print(f"during: TP_SOCKET_IFNAME={os.environ.get('TP_SOCKET_IFNAME')}")
+    else:
+        options = rpc.TensorPipeRpcBackendOptions(init_method="tcp://127.0.0.1:0")
+        rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=options)
+        assert asyncrpc.rpc_sync("worker0", int, args=("7",)) == 7  # adopted on first use
+    check("during the world", before, expect_same=False)
     asyncrpc.shutdown()
-    after = ({k: os.environ.get(k) for k in KEYS}, torch.get_num_threads())
-    assert after == before, (before, after)
-    print("after shutdown: environment and threads as before")
+    assert not asyncrpc._core._torch.agent_running(), "the agent is still up"
+    check("after shutdown", before)
+    # torch's agent module loads asyncrpc's rendezvous entry point (torch's doing),
+    # which must not patch the agent: only a launcher's rendezvous does, for its run.
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    assert not getattr(LocalElasticAgent._monitor_workers, "_asyncrpc", False)
+    print("torch's elastic agent: unpatched", flush=True)

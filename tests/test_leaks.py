@@ -1,0 +1,121 @@
+"""Failed calls leave nothing behind, on either side (weakrefs and resident memory).
+
+An exception kept by a torch Future would hold its traceback, the traceback
+its frames, and a frame the Future: a cycle through C++ that Python's gc
+cannot collect. Here 10,000 `async def` calls raise after an await, each
+holding a 1 MiB local, and 10,000 handle-method calls do the same; nothing
+they made may stay alive, and the callee's memory must not grow.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+import weakref
+from typing import Any
+
+import pytest
+import torch
+
+import asyncrpc
+
+CALLS = 10_000
+IN_FLIGHT = 200
+_alive: weakref.WeakSet[Any] = weakref.WeakSet()  # on the callee: what the calls made
+
+
+class Payload:
+    """A 1 MiB local of a call; a weakref tells whether anything still holds it."""
+
+    def __init__(self) -> None:
+        self.data = bytearray(1 << 20)
+        _alive.add(self)
+
+
+def noop() -> None:
+    return None
+
+
+async def fails_after_await(to: str, tag: int) -> None:
+    local = Payload()
+    await asyncrpc.rpc_async(to, noop)
+    raise ValueError(f"call {tag} failed after an await, holding {len(local.data)} bytes")
+
+
+class Service:
+    def __init__(self) -> None:
+        _alive.add(self)
+
+    async def fail(self, to: str, tag: int) -> None:
+        local = Payload()
+        await asyncrpc.rpc_async(to, noop)
+        raise KeyError(f"method call {tag} failed holding {len(local.data)} bytes")
+
+    def fail_now(self, tag: int) -> None:
+        local = Payload()
+        raise KeyError(f"sync method call {tag} failed holding {len(local.data)} bytes")
+
+
+def _method_call(service: asyncrpc.RemoteObject[Service], i: int) -> torch.futures.Future[None]:
+    if i % 4 == 0:
+        return service.call_async("fail_now", i)
+    return service.call_async("fail", "worker2", i)
+
+
+def callee_state() -> tuple[int, int]:
+    """(objects the calls made that are still alive, resident KiB) on this worker."""
+    gc.collect()
+    with open("/proc/self/status") as status:
+        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return len(_alive), rss
+
+
+def _fail_many(start: Any, count: int, error: type[BaseException]) -> list[Any]:
+    """Start `count` failing calls, IN_FLIGHT at a time; weakrefs to a sample of Futures."""
+    sample = []
+    for first in range(0, count, IN_FLIGHT):
+        futs = [start(i) for i in range(first, min(count, first + IN_FLIGHT))]
+        for fut in futs:
+            with pytest.raises(error):
+                fut.wait()
+        sample.append(weakref.ref(futs[0]))
+    return sample
+
+
+def _settle(expected: int, seconds: float = 10.0) -> tuple[int, int]:
+    """The callee's state once `expected` objects are alive there (or after `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive, rss = asyncrpc.rpc_sync("worker1", callee_state)
+        if alive <= expected or time.monotonic() > deadline:
+            return alive, rss
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(300)
+def test_failing_async_calls_and_methods_leave_nothing_alive(world: asyncrpc.Context) -> None:
+    service = asyncrpc.spawn("worker1", Service)
+    owner_ref = weakref.ref(service)
+    warm = 500  # the allocator and torch's pools settle before the start is measured
+
+    def async_call(i: int) -> torch.futures.Future[None]:
+        return asyncrpc.rpc_async("worker1", fails_after_await, args=("worker2", i))
+
+    _fail_many(async_call, warm, ValueError)
+    _fail_many(functools.partial(_method_call, service), warm, KeyError)
+    _, start_rss = _settle(expected=1)  # the Service itself
+    samples = _fail_many(async_call, CALLS, ValueError)
+    samples += _fail_many(functools.partial(_method_call, service), CALLS, KeyError)
+    alive, end_rss = _settle(expected=1)
+    gc.collect()
+    assert alive == 1, f"{alive - 1} objects made by failed calls are alive on the callee"
+    assert end_rss <= start_rss * 1.05, (start_rss, end_rss)  # within 5% of its start
+    assert sum(ref() is not None for ref in samples) == 0, "the caller keeps failed Futures"
+    # The object behind the handle goes with its last handle, whatever its methods did.
+    del service
+    gc.collect()
+    assert owner_ref() is None, "the caller keeps a handle whose calls failed"
+    alive, _ = _settle(expected=0)
+    assert alive == 0, "the owner keeps the object of a handle that is gone"
+    print(f"callee RSS {start_rss} KiB -> {end_rss} KiB after {2 * CALLS} failed calls")
