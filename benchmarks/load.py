@@ -4,7 +4,9 @@ Load: every caller (all workers but worker1) starts its share of `--calls`
 rpc_async calls to worker1 at once, each tagged with a unique id; the echoed
 ids must come back exactly once each (checked by set and checksum).
 Soak: the same callers keep calling for `--seconds`; each worker's resident
-memory is sampled after a warm-up and at the end, and the growth printed.
+memory is sampled after a warm-up and at the end, and the growth printed
+with whether every worker stayed within 5% of its start (the bound
+tests/test_leaks.py holds failed calls to).
 
     python benchmarks/load.py [--calls 10000] [--seconds 60] [--workers 4]
 """
@@ -18,6 +20,8 @@ import time
 import torch
 
 import asyncrpc
+
+RSS_BOUND = 0.05
 
 
 def echo(tag: int, payload: torch.Tensor) -> tuple[int, float]:
@@ -76,9 +80,13 @@ def main(ctx: asyncrpc.Context, calls: int, seconds: float) -> None:
     after = {n: asyncrpc.rpc_sync(n, rss_kib) for n in ctx.names}
     print(f"soak: {total} calls in {seconds:.0f} s after {warm:.0f} s of warm-up")
     print("| worker | RSS after warm-up | RSS at the end | growth |\n| --- | --- | --- | --- |")
+    growths = {n: (after[n] - before[n]) / before[n] for n in ctx.names}
     for n in ctx.names:
-        growth = (after[n] - before[n]) / before[n]
-        print(f"| {n} | {before[n] / 1024:.1f} MiB | {after[n] / 1024:.1f} MiB | {growth:+.1%} |")
+        print(
+            f"| {n} | {before[n] / 1024:.1f} MiB | {after[n] / 1024:.1f} MiB | {growths[n]:+.1%} |"
+        )
+    within = all(growth <= RSS_BOUND for growth in growths.values())
+    print(f"RSS within {RSS_BOUND:.0%} of the start on every worker: {'yes' if within else 'NO'}")
 
 
 if __name__ == "__main__":

@@ -60,12 +60,15 @@ def _program_env(extra: dict[str, str] | None) -> dict[str, str]:
 
 
 def run_program(
-    *argv: str, timeout: float = 90, env: dict[str, str] | None = None
+    *argv: str,
+    timeout: float = 90,
+    env: dict[str, str] | None = None,
+    cwd: pathlib.Path = ROOT,
 ) -> subprocess.CompletedProcess[str]:
-    """Run a command from the repository root with this interpreter's environment."""
+    """Run a command (from the repository root by default) with this interpreter's environment."""
     command = [sys.executable, *argv[1:]] if argv[0] == "python" else list(argv)
     return subprocess.run(
-        command, cwd=ROOT, env=_program_env(env), capture_output=True, text=True, timeout=timeout
+        command, cwd=cwd, env=_program_env(env), capture_output=True, text=True, timeout=timeout
     )
 
 

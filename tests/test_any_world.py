@@ -19,12 +19,14 @@ CHECKS = [
     "spawn call_async",
     "spawn call_remote",
     "spawn async def method",
+    "proxy of an async def method",
     "wrap torch's rref",
     "call_all",
     "remote KeyError keeps its type",
+    "the same error through rpc_sync and remote",
     "ensemble",
     "trace",
-    "after rpc.shutdown",
+    "after asyncrpc.shutdown",
 ]
 
 

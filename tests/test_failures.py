@@ -57,7 +57,9 @@ def test_a_remote_exception_keeps_its_type_and_names_the_worker() -> None:
     err = _sent_and_raised(KeyError("shard 3"))
     assert isinstance(err, KeyError) and isinstance(err, asyncrpc.RemoteError)
     assert isinstance(err, RuntimeError)  # the type torch raises for remote errors
-    assert "On worker 'worker1' (rank 1), in load():" in str(err)
+    assert "On worker 'worker1' (rank 1), in load(). Original exception on remote side was:" in (
+        str(err)
+    )
     assert "Traceback" in err.remote_text  # type: ignore[attr-defined]
 
 

@@ -44,3 +44,4 @@ def test_load_benchmark_reports_no_loss_and_memory_growth() -> None:
     assert "load: 2000 calls from 2 callers" in result.stdout
     assert "lost or duplicated: 0; checksum ok" in result.stdout
     assert result.stdout.count(" MiB | ") == 6, result.stdout  # before and after, 3 workers
+    assert "RSS within 5% of the start on every worker: yes" in result.stdout, result.stdout

@@ -113,6 +113,20 @@ def test_futures_made_inside_torchs_wait_all_are_waited_for(world: asyncrpc.Cont
     assert fut.done() and fut.wait() == 0.3
 
 
+def raise_key(key: str) -> None:
+    raise KeyError(key)
+
+
+def test_wait_all_ends_at_the_first_failed_call(world: asyncrpc.Context) -> None:
+    # As it does for torch's own failed calls: the failure is a value torch does not see.
+    slow = asyncrpc.rpc_async("worker1", sleepy, args=(1.5,))
+    started = time.monotonic()
+    with pytest.raises(KeyError, match="early"):
+        torch.futures.wait_all([slow, asyncrpc.rpc_async("worker2", raise_key, args=("early",))])
+    assert time.monotonic() - started < 1.0
+    assert slow.wait() == 1.5
+
+
 def test_a_missing_private_hook_is_named_with_the_tested_versions() -> None:
     with pytest.raises(asyncrpc.UnsupportedTorchError) as raised:
         _torch._require({"torch._C.Future._no_such_hook": lambda: torch._C.Future._no_such_hook})

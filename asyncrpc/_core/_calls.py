@@ -237,7 +237,7 @@ def send(call: Call) -> Future[Any]:
             is_async = func is run_python_async
             fut = _torch.send_python(call.to, func, args or (), {}, call.seconds, is_async)
         else:
-            fut = _torch.rpc_async(call.to, func, args=args, kwargs=kwargs, timeout=call.seconds)
+            fut = _torch.send_torch(call.to, func, args, kwargs, call.seconds)
     except Exception as exc:
         raise_unsendable(exc, call.worker, call.label)
     _torch.tag_future(fut, (call.worker, call.label))

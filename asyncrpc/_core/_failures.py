@@ -132,7 +132,8 @@ def capture(error: BaseException, where: str, func: object, for_torch: bool = Fa
     if isinstance(error, RemoteError):
         return Failure(release(error), for_torch)  # relayed: it already names its origin
     text = _user_traceback(error)
-    head = f"On {where}, in {label_of(func)}:"
+    # torch's own phrase, which code written against torch may look for.
+    head = f"On {where}, in {label_of(func)}. Original exception on remote side was:"
     return Failure(as_remote_error(release(error), f"{head}\n{text.rstrip()}"), for_torch)
 
 

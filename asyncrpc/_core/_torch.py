@@ -29,7 +29,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.rpc as rpc
@@ -79,6 +79,7 @@ __all__ = [
     "rpc_sync",
     "rref_future",
     "send_python",
+    "send_torch",
     "set_unwrap",
     "tag_future",
     "uninstall",
@@ -189,10 +190,19 @@ def send_python(
     Under an autograd profiler torch's own path runs, since it records RPCs.
     """
     if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
-        return rpc_async(to, func, args=args, kwargs=kwargs, timeout=timeout)
+        return send_torch(to, func, args, kwargs, timeout)
     udf = _rpc_internal.PythonUDF(func, args, kwargs)
     pickled, tensors = _rpc_api._default_pickler.serialize(udf)  # type: ignore[no-untyped-call]
     return _rpc_c._invoke_rpc_python_udf(to, pickled, tensors, timeout, is_async)
+
+
+def send_torch(to: Any, func: Callable[..., Any], args: Any, kwargs: Any, timeout: float) -> Any:
+    """torch's own `rpc_async`, leaving an open `rpc._wait_all()` to the verb that asked."""
+    fut = rpc_async(to, func, args=args, kwargs=kwargs, timeout=timeout)
+    pending = getattr(_rpc_api._thread_local_var, "future_list", None)
+    if pending and pending[-1] is fut:
+        pending.pop()  # torch's rpc_async collects; asyncrpc's rpc_sync must not
+    return fut
 
 
 def collect_for_wait_all(fut: Any) -> None:
@@ -286,7 +296,8 @@ class Hooks(NamedTuple):
     await_future: Callable[[Any], Any]  # Future.__await__
     name_read: Callable[[BaseException, Any], BaseException]  # a tagged Future's failure
     name_rref: Callable[[BaseException, str], BaseException]  # to_here's failure, by owner
-    check_value: Callable[[object], object]  # an RRef's value: raise a carried failure
+    check_value: Callable[[object], object]  # a value read: raise a carried failure
+    carry: Callable[[BaseException], object]  # a failure as a value to set on a Future
     handoff: Callable[..., Any]  # the `asyncrpc-store://` rendezvous handler
 
 
@@ -321,11 +332,11 @@ def install(hooks: Hooks) -> None:
             return
         _require(_CORE_HOOKS)
         install_await(hooks.await_future)
-        _patch(FutureType, "wait", _named_read(FutureType.wait, hooks.name_read))
-        _patch(FutureType, "value", _named_read(FutureType.value, hooks.name_read))
+        _patch(FutureType, "wait", _named_read(FutureType.wait, hooks))
+        _patch(FutureType, "value", _named_read(FutureType.value, hooks))
         _patch(FutureType, "then", _held(FutureType.then))
         _patch(FutureType, "add_done_callback", _held(FutureType.add_done_callback))
-        _patch(torch._C, "_collect_all", _tagged_collect_all(torch._C._collect_all))
+        _patch(torch._C, "_collect_all", _early_collect_all(torch._C._collect_all, hooks))
         _patch(PyRRef, "to_here", _checked_to_here(PyRRef.to_here, hooks))
         _patch(PyRRef, "local_value", _checked_local_value(PyRRef.local_value, hooks))
         _patch(_rendezvous_module._rendezvous_handlers, "asyncrpc-store", hooks.handoff)
@@ -340,22 +351,23 @@ def install_await(method: Callable[[Any], Any]) -> None:
             _patch(FutureType, "__await__", method)
 
 
-# ---- naming the failures of reads ------------------------------------------------------
+# ---- reads: carried failures raised, torch's named -------------------------------------
 
 # A Python done-callback per call cost about 8% of a burst's throughput, so no
 # callback names a failed call: the read does. `tag_future` notes where a
 # Future's call went; torch's `wait`/`value` of a tagged Future pass a
-# RuntimeError through the namer. Two ways of reading hand torch a Future
-# without our tag, and are covered here too:
+# RuntimeError through the namer, and any Future whose value is a carried
+# failure (a torch Future that was handed asyncrpc's reply) raises it. Two
+# ways of reading hand torch a Future without our tag, and are covered too:
 #   - a callback (`then`, `add_done_callback`) gets a new Python wrapper when
 #     the caller kept none; the callback keeps the tagged one alive instead;
-#   - `collect_all`/`wait_all` fail with the first member's error, so the
-#     combined Future is tagged with its members.
+#   - `collect_all`/`wait_all` end at the first failed call, as torch's do for
+#     its own failed calls: a failure carried as a value is no error to torch's
+#     C++ collectAll, so for asyncrpc's calls the combined Future is ours.
 _tags: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 # torch's own, taken before any patch: the unread watch must not count as a read.
 _future_wait = FutureType.wait
 _future_add_done_callback = FutureType.add_done_callback
-_Namer: TypeAlias = Callable[[BaseException, Any], BaseException]
 
 
 def tag_future(fut: Any, tag: object) -> None:
@@ -363,35 +375,21 @@ def tag_future(fut: Any, tag: object) -> None:
     _tags[fut] = tag
 
 
-def _named_read(read: Callable[[Any], Any], name: _Namer) -> Callable[[Any], Any]:
+def _named_read(read: Callable[[Any], Any], hooks: Hooks) -> Callable[[Any], Any]:
     @functools.wraps(read)
     def named_read(self: Any) -> Any:
         if _unread:
             _mark_read(self)
         try:
-            return read(self)
+            return hooks.check_value(read(self))
         except RuntimeError as exc:
-            tag = _tag_of(self, exc, read)
-            named = exc if tag is None else name(exc, tag)
+            tag = _tags.get(self)
+            named = exc if tag is None else hooks.name_read(exc, tag)
             if named is exc:
                 raise
             raise named from exc
 
     return named_read
-
-
-def _tag_of(fut: Any, error: BaseException, read: Callable[[Any], Any]) -> Any:
-    tag = _tags.get(fut)
-    if not isinstance(tag, _Members):
-        return tag
-    for member in tag.futures:  # the member that failed with this very error
-        if member in _tags and member.done():
-            try:
-                read(member)
-            except RuntimeError as exc:
-                if str(exc) == str(error):
-                    return _tag_of(member, error, read)
-    return None
 
 
 def _held(add: Callable[..., Any]) -> Callable[..., Any]:
@@ -409,21 +407,40 @@ def _call_held(callback: Callable[[Any], Any], held: Any, fut: Any) -> Any:
     return callback(held)
 
 
-class _Members(NamedTuple):
-    futures: list[Any]
-
-
-def _tagged_collect_all(collect: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+def _early_collect_all(collect: Callable[[list[Any]], Any], hooks: Hooks) -> Callable[..., Any]:
     @functools.wraps(collect)
-    def tagged_collect_all(futures: list[Any]) -> Any:
-        combined = collect(futures)
+    def collect_all(futures: list[Any]) -> Any:
         for fut in futures if _unread else ():
             _mark_read(fut)
-        if any(fut in _tags for fut in futures):
-            _tags[combined] = _Members(list(futures))
-        return combined
+        if not any(fut in _tags for fut in futures):
+            return collect(futures)
+        early: Any = torch.futures.Future()
+        early._set_unwrap_func(hooks.check_value)
+        claim = threading.Lock()
 
-    return tagged_collect_all
+        def settle(value: object) -> None:
+            if claim.acquire(blocking=False):
+                early.set_result(value)
+
+        def on_member(fut: Any, _: Any) -> None:
+            try:
+                fut.wait()  # named, and a carried failure raised
+            except Exception as exc:
+                settle(hooks.carry(exc))
+
+        def on_all(done: Any) -> None:
+            try:
+                settle(_future_wait(done))
+            except Exception as exc:
+                settle(hooks.carry(exc))
+
+        # Before torch's own callback: a failed member settles first, named.
+        for fut in futures:
+            _future_add_done_callback(fut, functools.partial(on_member, fut))
+        _future_add_done_callback(collect(futures), on_all)
+        return early
+
+    return collect_all
 
 
 def _checked_to_here(to_here: Callable[..., Any], hooks: Hooks) -> Callable[..., Any]:

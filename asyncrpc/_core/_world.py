@@ -31,7 +31,7 @@ import torch.distributed.rpc as rpc
 from . import _net, _rendezvous, _torch
 from ._context import Context, Settings, names_for, resolve_world_size
 from ._errors import AsyncRPCError, NotInitializedError, WorldSizeMismatchError
-from ._failures import check_reply, name_failure
+from ._failures import check_reply, hold, name_failure
 from ._futures import await_future
 from ._torch import PrefixStore, Store, WorkerInfo
 from ._unwaited import log_unwaited_failures
@@ -128,6 +128,7 @@ _HOOKS = _torch.Hooks(
     name_read=_name_read,
     name_rref=_name_rref,
     check_value=check_reply,
+    carry=hold,
     handoff=_rendezvous.handoff_handler,
 )
 

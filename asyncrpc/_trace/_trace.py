@@ -9,6 +9,10 @@ so that its two ends can be joined afterwards::
       |     caller: span "-> worker2: f()" --(call id)--> callee: span "f() <- worker0"
       |-- finish -> every worker: profiler off; its trace and call spans come back
       `-- _timeline.merge: a process per worker, clocks aligned, a flow per call
+
+The control calls (begin, finish, clock samples) go through torch's own verbs
+on purpose, around asyncrpc's call path: they are not user calls, so they are
+neither traced nor counted as spans.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
     python tests/programs/torch_world.py spawn OUT_DIR                 # mp.spawn, 3 workers
     torchrun --nproc-per-node 3 tests/programs/torch_world.py torchrun OUT_DIR
 
-asyncrpc never starts this world: it adopts it on first use. Worker 0 prints
-one `ok: ...` line per check; any failure raises and exits non-zero.
+asyncrpc never starts this world: it adopts it on first use, and every worker
+leaves it with asyncrpc.shutdown() in place of torch's rpc.shutdown(). Worker 0
+prints one `ok: ...` line per check; any failure raises and exits non-zero.
 """
 
 from __future__ import annotations
@@ -70,14 +71,25 @@ def use_every_verb(out: pathlib.Path) -> None:
     check("spawn call_async", counter.options(timeout=20).call_async("add", 1).wait() == 12)
     check("spawn call_remote", counter.call_remote("add", 1).to_here() == 13)
     check("spawn async def method", counter.call("add_later", "worker2", 1) == 14)
+    proxied = counter.rpc_sync().add_later("worker2", 1)
+    check("proxy of an async def method", proxied == 15, proxied)
     wrapped = asyncrpc.RemoteObject(rpc.remote("worker2", Counter, args=(1,)))
     check("wrap torch's rref", wrapped.call("add", 1) == 2)
     both = asyncrpc.call_all([counter, wrapped], "add", 1).wait()
-    check("call_all", both == [15, 3], both)
-    try:
-        asyncrpc.rpc_sync("worker1", lookup, args=("b",))
-    except KeyError as exc:
-        check("remote KeyError keeps its type", isinstance(exc, RuntimeError), repr(exc))
+    check("call_all", both == [16, 3], both)
+    errors = []
+    for read in (
+        lambda: asyncrpc.rpc_sync("worker1", lookup, args=("b",)),
+        lambda: asyncrpc.remote("worker1", lookup, args=("b",)).to_here(),
+    ):
+        try:
+            read()
+        except KeyError as exc:
+            errors.append(exc)
+    same = [type(e).__mro__[:4] for e in errors]
+    remote_errors = all(isinstance(e, (RuntimeError, asyncrpc.RemoteError)) for e in errors)
+    check("remote KeyError keeps its type", len(errors) == 2 and remote_errors, errors)
+    check("the same error through rpc_sync and remote", same[0] == same[1], same)
     spread = asyncrpc.Ensemble(torch.nn.Linear, 4, 3, 2, workers=["worker1", "worker2"], seed=0)
     local = asyncrpc.Ensemble(torch.nn.Linear, 4, 3, 2, seed=0)
     x = torch.randn(5, 3)
@@ -97,12 +109,12 @@ def worker(rank: int, out: str) -> None:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=WORLD_SIZE, rpc_backend_options=options)
     if rank == 0:
         use_every_verb(pathlib.Path(out))
-    rpc.shutdown()
+    asyncrpc.shutdown()  # in place of torch's rpc.shutdown(), on every worker
     if rank == 0:
         try:
             asyncrpc.rpc_sync("worker1", where)
         except asyncrpc.NotInitializedError as exc:
-            check("after rpc.shutdown", "no RPC agent runs" in str(exc), exc)
+            check("after asyncrpc.shutdown", "no RPC agent runs" in str(exc), exc)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,9 @@ DEFAULT_PATTERNS = [
     "test_return_",
     "test_user_rrefs",
     "test_pickle_",
+    "test_wait_all",
+    "test_send_to_rank",
+    "test_custom_exception_throw_during_reconstruction",
 ]
 
 
