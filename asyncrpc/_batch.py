@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -34,13 +34,13 @@ from torch.futures import Future
 from ._core import _calls, _torch
 from ._core._errors import BatchNotSentError
 from ._core._execution import Kind, classify, run_python, run_python_async
-from ._core._failures import check_reply, hold
-from ._core._futures import await_future, completed
+from ._core._failures import hold
+from ._core._futures import completed, new_future
 
 __all__ = ["Batch", "run_batch"]
 
 _Entry = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
-_Pending = dict[str, list[tuple[_Entry, "BatchFuture"]]]
+_Pending = dict[str, list[tuple[_Entry, Future[Any]]]]
 
 
 class _Outbox:
@@ -52,46 +52,24 @@ class _Outbox:
         self.pending: _Pending = {}
         self.sent = False
 
-    def drop(self) -> None:
-        """The Batch was collected: fail what it never sent."""
-        failure = hold(BatchNotSentError(
-            "this call's Batch was dropped before it was sent; leave the `with "
-            "asyncrpc.Batch()` block or call batch.send() while the Batch is alive"
-        ))  # fmt: skip
-        for items in self.pending.values():
-            for _, fut in items:
-                if not fut.done():
-                    fut.set_result(failure)
-        self.pending.clear()
-
-
-class BatchFuture(Future[Any]):
-    """A Batch call's Future: reading it before the Batch is sent fails at once."""
-
-    def __init__(self, outbox: _Outbox) -> None:
-        super().__init__()
-        _torch.set_unwrap(self, check_reply)
-        self._outbox = outbox
-
-    def wait(self) -> Any:
-        self._check()
-        return super().wait()
-
-    def value(self) -> Any:
-        self._check()
-        return super().value()
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        self._check()
-        return await_future(self)
-
-    def _check(self) -> None:
-        if not self._outbox.sent and not self.done():
+    def check(self) -> None:
+        """Refuse a read that would wait for a call this Batch has not sent."""
+        if not self.sent:
             raise BatchNotSentError(
                 "this call is in a Batch that has not been sent, so its Future cannot "
                 "complete; read it after the `with asyncrpc.Batch()` block, or call "
                 "batch.send() first"
             )
+
+    def drop(self) -> None:
+        """The Batch was collected: fail what it never sent."""
+        error = BatchNotSentError(
+            "this call's Batch was dropped before it was sent; leave the `with "
+            "asyncrpc.Batch()` block or call batch.send() while the Batch is alive"
+        )
+        for items in self.pending.values():
+            _fail_all(items, error)
+        self.pending.clear()
 
 
 class Batch:
@@ -102,8 +80,9 @@ class Batch:
     call keeps its own result and error; a lost worker or a timeout fails
     every call of its message. `timeout` bounds each message, as torch's
     `timeout` bounds a call (-1: the world's default, 0: none). Reading a
-    call's Future before the Batch is sent raises `BatchNotSentError`; so
-    does a Batch dropped unsent, for each of its calls.
+    call's Future before the Batch is sent raises `BatchNotSentError` at once
+    (`wait`, `value`, `await`, `torch.futures.wait_all`, asyncrpc's
+    combinators); so does a Batch dropped unsent, for each of its calls.
 
     Example::
 
@@ -130,21 +109,35 @@ class Batch:
         """Add `func(*args, **kwargs)` on worker `to`; a Future of its result, set once sent."""
         call = _calls.check("Batch.rpc_async", to, func, args, kwargs, self._timeout)
         entry = (call.func, tuple(call.args or ()), dict(call.kwargs or {}))
+        fut = new_future()
+        _torch.tag_future(fut, (call.worker, call.label))  # a call: named, ends wait_all early
         with self._lock:
-            fut = BatchFuture(self._box[0])
-            self._box[0].pending.setdefault(call.worker, []).append((entry, fut))
+            outbox = self._box[0]
+            _torch.guard_reads(fut, outbox.check)
+            outbox.pending.setdefault(call.worker, []).append((entry, fut))
         return fut
 
     def send(self) -> None:
-        """Send what was added, one message per worker; a Batch can be filled and sent again."""
-        for worker, items in self._take().items():
-            label = f"a Batch of {len(items)} calls"
-            call = _calls.check("Batch.send", worker, run_batch, ([e for e, _ in items],), None,
-                                self._timeout, label)  # fmt: skip
+        """Send what was added, one message per worker; a Batch can be filled and sent again.
+
+        If a message cannot be sent, its calls and those of the messages not
+        yet sent fail, and the error is raised.
+        """
+        left = list(self._take().items())
+        while left:
+            worker, items = left.pop(0)
             try:
+                label = f"a Batch of {len(items)} calls"
+                entries = [entry for entry, _ in items]
+                call = _calls.check("Batch.send", worker, run_batch, (entries,), None,
+                                    self._timeout, label)  # fmt: skip
                 reply = _calls.send(call)
             except BaseException as exc:
                 _fail_all(items, exc)
+                unsent = BatchNotSentError("not sent: another message of this Batch failed")
+                unsent.__cause__ = exc
+                for _, rest in left:
+                    _fail_all(rest, unsent)
                 raise
             reply.add_done_callback(lambda r, items=items: _hand_out(r, items))  # type: ignore[misc]
 
@@ -178,7 +171,7 @@ def _drop(box: list[_Outbox]) -> None:
     box[0].drop()
 
 
-def _hand_out(reply: Future[Any], items: list[tuple[_Entry, BatchFuture]]) -> None:
+def _hand_out(reply: Future[Any], items: list[tuple[_Entry, Future[Any]]]) -> None:
     try:
         outcomes = reply.value()
     except BaseException as exc:  # the message failed: every call in it did
@@ -188,8 +181,8 @@ def _hand_out(reply: Future[Any], items: list[tuple[_Entry, BatchFuture]]) -> No
         fut.set_result(outcome)  # a Failure raises its call's own error when read
 
 
-def _fail_all(items: list[tuple[_Entry, BatchFuture]], error: BaseException) -> None:
-    failure = hold(error)
+def _fail_all(items: list[tuple[_Entry, Future[Any]]], error: BaseException) -> None:
+    failure = hold(error)  # a detached copy: `error` may still be propagating
     for _, fut in items:
         if not fut.done():
             fut.set_result(failure)

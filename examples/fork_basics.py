@@ -4,12 +4,19 @@
 
 `torch.jit.fork` runs in parallel only inside TorchScript; `asyncrpc.fanout`
 gives the same results for eager code (threads) or scriptable modules (fork).
+TorchScript is deprecated (torch 2.13 says so with a DeprecationWarning, 2.14
+and later with a FutureWarning); this example reproduces the reference
+tutorial's TorchScript as it is, so it silences that one warning.
 """
+
+import warnings
 
 import torch
 from torch import Tensor
 
 import asyncrpc
+
+warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated")
 
 
 def foo(x: Tensor) -> Tensor:

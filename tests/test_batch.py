@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 
 import pytest
@@ -119,3 +120,44 @@ def test_a_batch_dropped_unsent_fails_its_futures(world: asyncrpc.Context) -> No
         assert fut.done()
         with pytest.raises(asyncrpc.BatchNotSentError, match="dropped before it was sent"):
             fut.wait()
+
+
+def test_no_read_of_an_unsent_batch_blocks(world: asyncrpc.Context) -> None:
+    with asyncrpc.Batch() as batch:
+        futs = [batch.rpc_async("worker1", double, args=(i,)) for i in range(3)]
+        for read in (
+            lambda: torch.futures.wait_all(futs),
+            lambda: asyncrpc.gather(futs).wait(),
+            lambda: asyncrpc.with_timeout(futs[0], 30).wait(),
+            lambda: next(asyncrpc.as_completed(futs)),
+        ):
+            with pytest.raises(asyncrpc.BatchNotSentError):
+                read()
+        combined = torch.futures.collect_all(futs)  # combining is no read: allowed
+    assert [f.wait() for f in combined.wait()] == [0, 2, 4]
+
+
+def test_wait_all_ends_at_the_first_failed_call_of_a_batch(world: asyncrpc.Context) -> None:
+    with asyncrpc.Batch() as batch:
+        slow = batch.rpc_async("worker1", nap, args=(1.5,))
+    with asyncrpc.Batch() as other:
+        bad = other.rpc_async("worker2", lookup, args=("b",))
+    started = time.monotonic()
+    with pytest.raises(KeyError):
+        torch.futures.wait_all([slow, bad])
+    assert time.monotonic() - started < 1.0
+    assert slow.wait() == 1.5
+
+
+def test_a_message_that_cannot_be_sent_fails_the_rest_of_the_batch(
+    world: asyncrpc.Context,
+) -> None:
+    batch = asyncrpc.Batch()
+    first = batch.rpc_async("worker1", double, args=(threading.Lock(),))  # cannot be pickled
+    second = batch.rpc_async("worker2", double, args=(2,))
+    with pytest.raises(asyncrpc.SerializationError):
+        batch.send()
+    with pytest.raises(asyncrpc.SerializationError):
+        first.wait()
+    with pytest.raises(asyncrpc.BatchNotSentError, match="another message"):
+        second.wait()

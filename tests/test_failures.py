@@ -6,6 +6,7 @@ import gc
 import pickle
 import threading
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -177,3 +178,105 @@ def test_a_torch_caller_gets_torchs_wire_form() -> None:
     wire = pickle.loads(pickle.dumps(failure))
     assert type(wire).__name__ == "RemoteException" and wire.exception_type is KeyError
     assert "for torch" in wire.msg and WHERE in wire.msg
+
+
+def test_holding_an_error_that_keeps_propagating_keeps_a_copy() -> None:
+    # `hold(exc)` then `raise`: the propagating error gains the caller's frames;
+    # the kept copy must not, and the caller's traceback must stay whole.
+    def fails() -> None:
+        raise KeyError("propagates")
+
+    def holder() -> _failures.Failure:
+        try:
+            fails()
+        except KeyError as exc:
+            kept = _failures.hold(exc)
+            holder.kept = kept  # type: ignore[attr-defined]
+            raise
+        raise AssertionError("unreachable")
+
+    with pytest.raises(KeyError) as raised:
+        holder()
+    kept = holder.kept  # type: ignore[attr-defined]
+    assert kept.error is not raised.value
+    frames = []
+    tb = kept.error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert frames == ["fails"]  # neither `holder` (running then) nor the test's frame
+    assert [e.name for e in raised.traceback][-2:] == ["holder", "fails"]
+
+
+def test_a_suspended_generator_survives_holding_its_error() -> None:
+    def errors() -> Any:
+        try:
+            raise ValueError("yielded")
+        except ValueError as exc:
+            yield exc
+        yield "still running"
+
+    gen = errors()
+    _failures.hold(next(gen))
+    assert next(gen) == "still running"
+
+
+def test_group_members_are_detached_and_reads_share_no_notes() -> None:
+    def fails(marker: Big) -> None:
+        raise ValueError("member")
+
+    big = Big()
+    alive = weakref.ref(big)
+    try:
+        try:
+            fails(big)
+        except ValueError as member:
+            raise ExceptionGroup("group", [member]) from None
+    except ExceptionGroup as group:
+        failure = _failures.hold(group)
+    del big
+    gc.collect()
+    assert alive() is None
+    first = _raised(failure)
+    assert isinstance(first, ExceptionGroup) and isinstance(first.exceptions[0], ValueError)
+    first.add_note("added by one reader")
+    assert "added by one reader" not in getattr(_raised(failure), "__notes__", [])
+
+
+class Slotted(Exception):
+    __slots__ = ("code",)
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"code {code}")
+        self.code = code
+
+
+def test_slots_survive_the_copy_of_every_read() -> None:
+    raised = _raised(_failures.hold(Slotted(7)))
+    assert isinstance(raised, Slotted) and raised.code == 7  # type: ignore[attr-defined]
+
+
+def test_torchs_own_wire_form_is_raised_as_torch_raises_it() -> None:
+    from asyncrpc._core import _torch
+
+    wire = _torch.RemoteException("On WorkerInfo(id=1, name=worker1):\nKeyError('k')", KeyError)
+    with pytest.raises(KeyError, match="WorkerInfo"):
+        _failures.check_reply(wire)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        asyncrpc.WorkerUnreachableError("worker 'worker2' cannot be reached", "worker2"),
+        asyncrpc.CallTimeoutError("the call timed out", "worker1"),
+        asyncrpc.SerializationError("could not be pickled"),
+        asyncrpc.WorkerFailedError("worker1", 1, -9),
+        FileNotFoundError(2, "No such file", "/x"),
+        Rejected("too big", 413),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_every_kind_of_error_reads_back_as_itself(error: BaseException) -> None:
+    raised = _raised(_failures.hold(error))
+    assert type(raised) is type(error) and str(raised) == str(error)
+    assert raised.__dict__ == error.__dict__

@@ -49,7 +49,7 @@ def test_agent_and_its_options(world: asyncrpc.Context) -> None:
     assert _torch.agent_running()
     assert [info.name for info in _torch.worker_infos()] == list(world.names)
     assert _torch.agent_threads() == asyncrpc.Settings().num_worker_threads
-    assert _torch.agent_timeout() == 30.0  # conftest's rpc_timeout
+    assert torch.distributed.rpc.api._get_current_rpc_agent() is _torch.current_agent()
     assert _torch.current_agent() is _torch.current_agent()  # adoption's cache key
 
 
@@ -244,6 +244,14 @@ def test_import_changes_nothing_and_the_last_shutdown_puts_torch_back(mode: str)
     assert "torch's elastic agent: unpatched" in result.stdout, result.stdout
     if mode == "init":
         assert "during: TP_SOCKET_IFNAME=lo" in result.stdout, result.stdout
+
+
+@pytest.mark.subprocess
+def test_a_torch_without_a_hook_is_refused_cleanly() -> None:
+    result = run_program("python", str(PROGRAMS / "missing_hook.py"), timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "refused: asyncrpc needs torch's private torch._C._no_such_hook" in result.stdout
+    assert "started after: OK" in result.stdout, result.stdout
 
 
 def test_the_static_rendezvous_keeps_its_store_where_we_put_it() -> None:

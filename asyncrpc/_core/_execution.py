@@ -28,6 +28,7 @@ until the Future is done and its `_Task` resumes it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import inspect
@@ -41,8 +42,8 @@ from torch.futures import Future
 
 from . import _torch
 from ._errors import AwaitedNonFutureError, NotAFutureError
-from ._failures import capture, check_reply, label_of
-from ._futures import completed, driving, enable_await, new_future
+from ._failures import Failure, capture, check_reply, label_of
+from ._futures import await_future, completed, driving, new_future
 from ._world import describe_self
 
 __all__ = [
@@ -99,8 +100,10 @@ def run_python(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     try:
         return func(*args, **kwargs)
     except Exception as exc:
-        failure = capture(exc, describe_self(), _called(func, args))
-        print(getattr(failure.error, "remote_text", failure.error), file=sys.stderr, flush=True)
+        failure = _captured(exc, _called(func, args), False)
+        text = getattr(failure.error, "remote_text", failure.error)
+        with contextlib.suppress(Exception):  # a closed stderr must not fail the call
+            print(text, file=sys.stderr, flush=True)
         return failure
 
 
@@ -117,7 +120,7 @@ def run_python_async(
     try:
         result = func(*args, **kwargs)
     except Exception as exc:
-        return completed(capture(exc, describe_self(), _called(func, args)))
+        return completed(_captured(exc, _called(func, args), False))
     finally:
         made, _reply.asked, _reply.made = _reply.made, False, None
     if inspect.iscoroutine(result):
@@ -169,8 +172,20 @@ def settle_future(fut: Any, fn: object, for_torch: bool = False) -> Future[Any]:
 def _capture_outcome(fn: object, for_torch: bool, fut: Future[Any]) -> Any:
     try:
         return fut.wait()
-    except Exception as exc:
-        return capture(exc, describe_self(), fn, for_torch)
+    except BaseException as exc:  # torch would keep it in the Future: carry it as a value
+        return _captured(exc, fn, for_torch)
+
+
+def _captured(error: BaseException, fn: object, for_torch: bool) -> Any:
+    """`capture`, which must give the caller an outcome even if capturing fails."""
+    try:
+        return capture(error, describe_self(), fn, for_torch)
+    except BaseException as inner:
+        lost = RuntimeError(
+            f"{label_of(fn)} failed with {type(error).__name__}, and that error could not be "
+            f"kept to send back ({type(inner).__name__}: {inner})"
+        )
+        return Failure(lost, for_torch)
 
 
 # ---- async_execution -------------------------------------------------------------------
@@ -242,7 +257,7 @@ def start_coroutine(
     coro: Coroutine[Any, Any, Any], fn: object, for_torch: bool = False
 ) -> Future[Any]:
     """Run `coro` on this thread until it awaits; a Future of its result (or Failure)."""
-    enable_await()
+    _torch.install_await(await_future)  # until the world's shutdown (enable_await: for good)
     out = new_future()
     _Task(coro, out, fn, for_torch).step()
     return out
@@ -269,7 +284,7 @@ class _Task:
         except StopIteration as stop:
             outcome = stop.value
         except BaseException as exc:  # every failure must reach the caller
-            outcome = capture(self._explain(exc), describe_self(), self._fn, self._for_torch)
+            outcome = _captured(self._explain(exc), self._fn, self._for_torch)
         else:
             if isinstance(awaited, _torch.FutureType):
                 awaited.add_done_callback(self._resume)
@@ -312,5 +327,8 @@ def _name(fn: object) -> str:
 
 
 def _short(value: object) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."

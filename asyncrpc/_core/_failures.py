@@ -30,6 +30,7 @@ torch's own form, `RemoteException`, which torch raises there.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import pickle
 import threading
@@ -50,11 +51,11 @@ __all__ = [
     "as_remote_error",
     "capture",
     "check_reply",
+    "detach",
     "hold",
     "label_of",
     "name_failure",
     "raise_unsendable",
-    "release",
     "revive_remote",
 ]
 
@@ -112,14 +113,20 @@ def _revive(
 
 
 def hold(error: BaseException, for_torch: bool = False) -> Failure:
-    """`error` as a Failure to set as a Future's result (frames released)."""
-    return Failure(release(error), for_torch)
+    """`error` as a Failure to set as a Future's result: a detached copy (see `detach`)."""
+    return Failure(detach(error), for_torch)
 
 
 def check_reply(value: object) -> object:
-    """The unwrap step of every read: a Failure raises a fresh copy of its error."""
+    """The unwrap step of every read: a Failure raises a fresh copy of its error.
+
+    A reply in torch's own form (the runner itself failed on the callee) is
+    raised as torch raises it.
+    """
     if type(value) is Failure:
         raise _fresh(value.error)
+    if type(value) is _torch.RemoteException:
+        _torch.raise_remote_exception(value)
     return value
 
 
@@ -130,45 +137,62 @@ def capture(error: BaseException, where: str, func: object, for_torch: bool = Fa
     text ends with where it was raised and the traceback.
     """
     if isinstance(error, RemoteError):
-        return Failure(release(error), for_torch)  # relayed: it already names its origin
+        return Failure(detach(error), for_torch)  # relayed: it already names its origin
     text = _user_traceback(error)
     # torch's own phrase, which code written against torch may look for.
     head = f"On {where}, in {label_of(func)}. Original exception on remote side was:"
-    return Failure(as_remote_error(release(error), f"{head}\n{text.rstrip()}"), for_torch)
+    return Failure(as_remote_error(detach(error), f"{head}\n{text.rstrip()}"), for_torch)
 
 
 # ---- keeping exceptions without frames, and copying them ---------------------------
 
+# A generator's or coroutine's frame may be suspended, not finished; clearing it
+# would close the generator. Such frames are left out of a kept traceback instead.
+_RESUMABLE = (
+    inspect.CO_GENERATOR
+    | inspect.CO_COROUTINE
+    | inspect.CO_ASYNC_GENERATOR
+    | inspect.CO_ITERABLE_COROUTINE
+)
 
-def release(error: BaseException) -> BaseException:
-    """Clear the locals of `error`'s finished frames and drop frames still running.
 
-    Done to every exception a Future keeps: its traceback then holds no
-    Future, argument or result, and the chain (`__cause__`, `__context__`)
-    likewise. Returns `error`.
+def detach(error: BaseException, memo: dict[int, BaseException] | None = None) -> BaseException:
+    """A copy of `error` to keep in a Future, holding no frame's locals.
+
+    `error` itself may still be propagating (its traceback then grows with
+    every frame it passes, frames that may hold the very Future), so a copy
+    is kept: same type, arguments, attributes and notes; its traceback keeps
+    only finished frames, their locals cleared (running frames and
+    generators' frames are left out); its `__cause__`, `__context__` and
+    group members are detached too. Locals are cleared in place: a debugger
+    looking at `error` afterwards sees its inner frames without them.
     """
-    seen: set[int] = set()
-    item: BaseException | None = error
-    stack = [error]
-    while stack:
-        item = stack.pop()
-        if item is None or id(item) in seen:
-            continue
-        seen.add(id(item))
-        item.__traceback__ = _finished_frames(item.__traceback__)
-        stack += [e for e in (item.__cause__, item.__context__) if e is not None]
-    return error
+    memo = {} if memo is None else memo
+    if id(error) in memo:
+        return memo[id(error)]
+    if isinstance(error, BaseExceptionGroup):
+        twin = _copy(error, [detach(e, memo) for e in error.exceptions])
+    else:
+        twin = _copy(error)
+    memo[id(error)] = twin
+    twin.__traceback__ = _finished_frames(error.__traceback__)
+    cause, context = error.__cause__, error.__context__
+    twin.__cause__ = None if cause is None else detach(cause, memo)
+    twin.__context__ = None if context is None else detach(context, memo)
+    twin.__suppress_context__ = error.__suppress_context__
+    return twin
 
 
 def _finished_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     kept: list[types.TracebackType] = []
     while tb is not None:
-        try:
-            tb.tb_frame.clear()
-        except RuntimeError:  # still running (the frame that caught it): leave it out
-            pass
-        else:
-            kept.append(tb)
+        if not tb.tb_frame.f_code.co_flags & _RESUMABLE:
+            try:
+                tb.tb_frame.clear()
+            except RuntimeError:  # still running (the frame that caught it): leave it out
+                pass
+            else:
+                kept.append(tb)
         tb = tb.tb_next
     rebuilt = None
     for entry in reversed(kept):
@@ -177,19 +201,43 @@ def _finished_frames(tb: types.TracebackType | None) -> types.TracebackType | No
 
 
 def _fresh(error: BaseException) -> BaseException:
-    """A copy of `error` to raise: same type, arguments, attributes, chain and traceback."""
-    try:
-        if type(error).__module__ == "builtins":
-            twin = copy.copy(error)  # builtins keep fields their __init__ sets
-        else:  # never a user's __init__: it may take other arguments than `args`
-            twin = type(error).__new__(type(error), *error.args)
-            twin.args = error.args
-            twin.__dict__.update(getattr(error, "__dict__", {}))
-    except Exception:
-        return error  # cannot be copied: raise the kept one (its frames are cleared)
+    """A copy of a kept error to raise: same type, attributes, chain and traceback."""
+    members = list(error.exceptions) if isinstance(error, BaseExceptionGroup) else None
+    twin = _copy(error, members)
     twin.__cause__, twin.__context__ = error.__cause__, error.__context__
     twin.__suppress_context__ = error.__suppress_context__
     return twin.with_traceback(error.__traceback__)
+
+
+def _copy(error: BaseException, members: list[BaseException] | None = None) -> BaseException:
+    """A new exception like `error` (no traceback or chain), or a RuntimeError naming it."""
+    cls = type(error)
+    try:
+        if members is not None and isinstance(error, BaseExceptionGroup):
+            twin: BaseException = error.derive(members)
+        elif cls.__module__ == "builtins" or cls.__reduce__ is not BaseException.__reduce__:
+            twin = copy.copy(error)  # as the class rebuilds itself: fields its __init__ sets
+        else:  # never a user's __init__: it may take other arguments than `args`
+            twin = cls.__new__(cls, *error.args)
+            twin.args = error.args
+        twin.__dict__.update(getattr(error, "__dict__", {}))
+        for name in _slots(cls):
+            if hasattr(error, name):
+                setattr(twin, name, getattr(error, name))
+        notes = getattr(error, "__notes__", None)
+        if isinstance(notes, list):
+            twin.__notes__ = list(notes)  # a reader's add_note stays on its copy
+    except Exception:  # a type that cannot be rebuilt: its name and text survive
+        return RuntimeError(f"{cls.__module__}.{cls.__qualname__}: {error}")
+    return twin
+
+
+def _slots(cls: type) -> list[str]:
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else [s for s in slots if s != "__dict__"]
+    return names
 
 
 # ---- the RemoteError twin of a remote exception ------------------------------------------

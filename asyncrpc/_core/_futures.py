@@ -158,6 +158,7 @@ def chain(fut: Future[Any], *fns: Callable[[Any], Any]) -> Future[Any]:
                 f"function itself: chain(fut, f) rather than chain(fut, f(x))"
             )
     out = Settle()
+    _torch.guard_combined(out.future, [fut])
 
     def advance(step: int, source: Future[Any]) -> None:
         try:
@@ -187,6 +188,7 @@ def gather(futs: Iterable[Future[Any]]) -> Future[list[Any]]:
     """
     items = _futures("gather", futs)
     out = Settle()
+    _torch.guard_combined(out.future, items)
     if not items:
         out.resolve([])
         return out.future
@@ -224,6 +226,7 @@ def wait_first(futs: Iterable[Future[Any]]) -> Future[Future[Any]]:
     if not items:
         raise ValueError("wait_first needs at least one Future, got none")
     out = Settle()
+    _torch.guard_combined(out.future, items)
     for item in items:
         item.add_done_callback(out.resolve)
     return out.future
@@ -246,13 +249,20 @@ def as_completed(
     done: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
     for item in items:
         item.add_done_callback(done.put)
-    return _drain(done, len(items), deadline, timeout)
+    return _drain(done, items, deadline, timeout)
 
 
 def _drain(
-    done: queue.SimpleQueue[Future[Any]], count: int, deadline: float | None, timeout: float | None
+    done: queue.SimpleQueue[Future[Any]],
+    items: list[Future[Any]],
+    deadline: float | None,
+    timeout: float | None,
 ) -> Iterator[Future[Any]]:
+    count = len(items)
     for yielded in range(count):
+        if done.empty():
+            for item in items:
+                _torch.check_guard(item)  # an input that can never complete: fail now
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             yield done.get(timeout=left)
@@ -294,6 +304,7 @@ def with_timeout(fut: Future[T], seconds: float) -> Future[T]:
     (source,) = _futures("with_timeout", [fut])
     delay = check_seconds("with_timeout", seconds, zero=False)
     out = Settle()
+    _torch.guard_combined(out.future, [source])
     alarm = _clock.call_at(
         time.monotonic() + delay,
         lambda: out.reject(TimeoutError(f"the Future did not complete within {delay:g} s")),
@@ -352,14 +363,15 @@ _clock = _Clock()
 
 
 def enable_await() -> None:
-    """Make torch Futures awaitable (`await fut`); asyncrpc calls it when it needs to.
+    """Make torch Futures awaitable (`await fut`) for the rest of the process.
 
-    Kept if torch ever ships its own `__await__`. Example::
+    A world does it too while it runs (its shutdown takes it back); asked
+    for here, it stays. Kept if torch ever ships its own `__await__`. Example::
 
         asyncrpc.enable_await()
         result = await asyncrpc.rpc_async("worker1", torch.add, args=(x, 1))
     """
-    _torch.install_await(await_future)
+    _torch.install_await(await_future, keep=True)
 
 
 # ---- making torch Futures awaitable --------------------------------------------------
@@ -371,6 +383,7 @@ driving = threading.local()
 def await_future(fut: Future[Any]) -> Generator[Any, None, Any]:
     """torch Future's `__await__` (see the module doc)."""
     if not fut.done():
+        _torch.check_guard(fut)  # a Future that can never complete fails the await now
         loop = None if getattr(driving, "active", False) else _running_loop()
         if loop is None:
             yield fut  # an async_execution _Task resumes us when fut is done

@@ -51,27 +51,30 @@ __all__ = [
     "Hooks",
     "PrefixStore",
     "PyRRef",
+    "RemoteException",
     "Store",
     "TCPStore",
     "WorkerInfo",
     "agent_running",
     "agent_threads",
-    "agent_timeout",
     "async_target",
     "backend_options",
     "bound_static_rendezvous",
+    "check_guard",
     "collect_for_wait_all",
     "current_agent",
     "failure_kind",
+    "guard_combined",
+    "guard_reads",
     "install",
     "install_await",
-    "installed",
     "interop_pool_started",
     "is_builtin",
     "is_rpc_thread",
     "mark_async",
     "profiler_config",
     "quiet_torchscript",
+    "raise_remote_exception",
     "register_rendezvous",
     "remote",
     "remote_exception",
@@ -138,11 +141,6 @@ def agent_threads(default: int = 16) -> int:
         return int(current_agent()._get_backend_options().num_worker_threads)
     except AttributeError:  # an agent other than TensorPipe's
         return default
-
-
-def agent_timeout() -> float:
-    """The world's default call timeout in seconds (0: none)."""
-    return float(_rpc_c.get_rpc_timeout())
 
 
 def backend_options(
@@ -240,6 +238,18 @@ def rref_future(rref: Any) -> Any:
     return rref._get_future()
 
 
+class _Absent:
+    """Stands in for a name this torch lacks (`install` names it)."""
+
+
+RemoteException: type = getattr(_rpc_internal, "RemoteException", _Absent)
+
+
+def raise_remote_exception(value: Any) -> None:
+    """Raise torch's wire form of a remote exception as torch's own reads do."""
+    _rpc_internal._handle_exception(value)  # type: ignore[no-untyped-call]
+
+
 def remote_exception(text: str, cls: type[BaseException]) -> tuple[Any, ...]:
     """The pickle reduction of torch's wire form of a remote exception (for torch callers)."""
     found: Any = sys.modules.get(cls.__module__)
@@ -285,11 +295,6 @@ def uninstall() -> None:
         _tags.clear()
 
 
-def installed() -> bool:
-    """True while asyncrpc's patches are in torch."""
-    return bool(_patched)
-
-
 class Hooks(NamedTuple):
     """asyncrpc's side of the patches (given by the world that installs them)."""
 
@@ -313,6 +318,7 @@ _CORE_HOOKS: dict[str, Callable[[], object]] = {
     "torch.distributed.rpc.api._thread_local_var": lambda: _rpc_api._thread_local_var,
     "torch.distributed.rpc.internal.PythonUDF": lambda: _rpc_internal.PythonUDF,
     "torch.distributed.rpc.internal.RemoteException": lambda: _rpc_internal.RemoteException,
+    "torch.distributed.rpc.internal._handle_exception": lambda: _rpc_internal._handle_exception,
     "torch.distributed.rendezvous._rendezvous_handlers": lambda: (
         _rendezvous_module._rendezvous_handlers
     ),
@@ -342,8 +348,19 @@ def install(hooks: Hooks) -> None:
         _patch(_rendezvous_module._rendezvous_handlers, "asyncrpc-store", hooks.handoff)
 
 
-def install_await(method: Callable[[Any], Any]) -> None:
-    """Give torch Futures an `__await__` (kept if torch ever ships its own)."""
+def install_await(method: Callable[[Any], Any], keep: bool = False) -> None:
+    """Give torch Futures an `__await__` (kept if torch ever ships its own).
+
+    With `keep` it stays after `uninstall` (a user asked for it by hand).
+    """
+    key = (id(FutureType), "__await__")
+    if keep:
+        with _patch_lock:
+            if vars(FutureType).get("__await__") is method:
+                _patched.pop(key, None)  # already ours: now for good
+            elif not hasattr(FutureType, "__await__"):
+                FutureType.__await__ = method  # type: ignore[attr-defined]
+        return
     if hasattr(FutureType, "__await__"):
         return
     with _patch_lock:
@@ -375,11 +392,43 @@ def tag_future(fut: Any, tag: object) -> None:
     _tags[fut] = tag
 
 
+# A read that would block on a Future that can never complete (a Batch call
+# before its Batch is sent) should fail at once: `check()` runs first and raises.
+_guards: weakref.WeakKeyDictionary[Any, Callable[[], None]] = weakref.WeakKeyDictionary()
+
+
+def guard_reads(fut: Any, check: Callable[[], None]) -> None:
+    """Run `check()` (which may raise) before any read of `fut` that would block."""
+    _guards[fut] = check
+
+
+def check_guard(fut: Any) -> None:
+    """Raise what `fut`'s guard raises, if it has one and is not done yet."""
+    check = _guards.get(fut) if _guards else None
+    if check is not None and not fut.done():
+        check()
+
+
+def guard_combined(combined: Any, inputs: Sequence[Any]) -> None:
+    """Guard a Future made of `inputs` with their guards, if any has one."""
+    guarded = [fut for fut in inputs if fut in _guards] if _guards else []
+    if not guarded:
+        return
+
+    def check_inputs() -> None:
+        for fut in guarded:
+            check_guard(fut)
+
+    _guards[combined] = check_inputs
+
+
 def _named_read(read: Callable[[Any], Any], hooks: Hooks) -> Callable[[Any], Any]:
     @functools.wraps(read)
     def named_read(self: Any) -> Any:
         if _unread:
             _mark_read(self)
+        if _guards:
+            check_guard(self)
         try:
             return hooks.check_value(read(self))
         except RuntimeError as exc:
@@ -416,6 +465,7 @@ def _early_collect_all(collect: Callable[[list[Any]], Any], hooks: Hooks) -> Cal
             return collect(futures)
         early: Any = torch.futures.Future()
         early._set_unwrap_func(hooks.check_value)
+        guard_combined(early, futures)
         claim = threading.Lock()
 
         def settle(value: object) -> None:

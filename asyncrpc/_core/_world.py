@@ -102,8 +102,8 @@ def _adopt() -> World:
     names = tuple(str(info.name) for info in infos)
     context = Context(int(me.id), len(names), str(me.name), names, _leave=_leave)
     world = World(context, _torch.agent_threads())
+    _install_hooks()  # first: a world is only cached once torch is patched for it
     _adopted = (agent, world)
-    _install_hooks()
     return world
 
 
@@ -250,11 +250,11 @@ def start(
         # Peers may call in as soon as the agent starts, before init_rpc returns
         # here: the world must already be visible to the functions they run.
         world = World(context, settings.num_worker_threads, store, settings)
-        _world = world
-        _install_hooks()
-        if settings.log_unwaited_failures is not None:
-            log_unwaited_failures(settings.log_unwaited_failures)
         try:
+            _install_hooks()
+            _world = world
+            if settings.log_unwaited_failures is not None:
+                log_unwaited_failures(settings.log_unwaited_failures)
             _start_agent(world, master_addr)
         except BaseException:
             _world = None
