@@ -14,11 +14,13 @@ Example::
 
 from ._batch import Batch
 from ._core._calls import remote, rpc_async, rpc_sync
+from ._core._cancel import cancel, cancelled
 from ._core._errors import (
     AsyncRPCError,
     AwaitedNonFutureError,
     BatchNotSentError,
     CallTimeoutError,
+    CancelledError,
     DuplicateNameError,
     NestedCallError,
     NotAFutureError,
@@ -35,6 +37,7 @@ from ._core._errors import (
 )
 from ._core._execution import async_execution
 from ._core._futures import enable_await
+from ._core._stream import Stream, stream
 from ._core._unwaited import log_unwaited_failures
 from ._core._world import Context, Settings, current_context, init, shutdown
 from ._ensemble import Ensemble
@@ -62,6 +65,7 @@ __all__ = (
     "Batch",
     "BatchNotSentError",
     "CallTimeoutError",
+    "CancelledError",
     "Context",
     "DuplicateNameError",
     "Ensemble",
@@ -77,6 +81,7 @@ __all__ = (
     "RendezvousError",
     "SerializationError",
     "Settings",
+    "Stream",
     "Trace",
     "UnknownWorkerError",
     "UnsupportedTorchError",
@@ -86,6 +91,8 @@ __all__ = (
     "as_completed",
     "async_execution",
     "call_all",
+    "cancel",
+    "cancelled",
     "chain",
     "completed",
     "current_context",
@@ -102,6 +109,7 @@ __all__ = (
     "run",
     "shutdown",
     "spawn",
+    "stream",
     "trace",
     "wait_first",
     "with_timeout",

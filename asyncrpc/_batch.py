@@ -22,6 +22,7 @@ Each call is checked as `rpc_async` checks it, before anything is sent.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -31,15 +32,15 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from ._core import _calls, _torch
-from ._core._errors import BatchNotSentError
+from ._core import _calls, _cancel, _torch
+from ._core._errors import BatchNotSentError, CancelledError
 from ._core._execution import Kind, classify, run_python, run_python_async
-from ._core._failures import hold
+from ._core._failures import Failure, hold, label_of
 from ._core._futures import completed, new_future
 
 __all__ = ["Batch", "run_batch"]
 
-_Entry = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+_Entry = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], int]  # func, args, kw, key
 _Pending = dict[str, list[tuple[_Entry, Future[Any]]]]
 
 
@@ -60,6 +61,23 @@ class _Outbox:
                 "complete; read it after the `with asyncrpc.Batch()` block, or call "
                 "batch.send() first"
             )
+
+    def withdraw(
+        self, worker: str, ref: weakref.ref[Future[Any]], call: _calls.Call
+    ) -> bool:
+        """Cancel one call: taken out if not sent yet, else its callee is asked to stop it."""
+        fut = ref()
+        if fut is None:
+            return False
+        if self.sent:
+            return _cancel.request(call.sent)
+        items = self.pending.get(worker, [])
+        self.pending[worker] = [item for item in items if item[1] is not fut]
+        if not fut.done():
+            fut.set_result(Failure(CancelledError(
+                f"the call to {label_of(call.label)} on {worker!r} was cancelled before its "
+                f"Batch was sent", worker)))  # fmt: skip
+        return True
 
     def drop(self) -> None:
         """The Batch was collected: fail what it never sent."""
@@ -108,12 +126,14 @@ class Batch:
     ) -> Future[Any]:
         """Add `func(*args, **kwargs)` on worker `to`; a Future of its result, set once sent."""
         call = _calls.check("Batch.rpc_async", to, func, args, kwargs, self._timeout)
-        entry = (call.func, tuple(call.args or ()), dict(call.kwargs or {}))
+        entry = (call.func, tuple(call.args or ()), dict(call.kwargs or {}), call.sent.key)
         fut = new_future()
-        _torch.tag_future(fut, (call.worker, call.label))  # a call: named, ends wait_all early
+        _torch.tag_future(fut, call.sent)  # a call: named, ends wait_all early, cancellable
         with self._lock:
             outbox = self._box[0]
             _torch.guard_reads(fut, outbox.check)
+            withdraw = functools.partial(outbox.withdraw, call.worker, weakref.ref(fut), call)
+            _torch.set_canceller(fut, withdraw)
             outbox.pending.setdefault(call.worker, []).append((entry, fut))
         return fut
 
@@ -164,7 +184,9 @@ class Batch:
         with self._lock:
             outbox, self._box[0] = self._box[0], _Outbox()
             outbox.sent = True
-        return outbox.pending
+            # The outbox lives on in its calls' guards: it must not hold their Futures.
+            pending, outbox.pending = outbox.pending, {}
+        return pending
 
 
 def _drop(box: list[_Outbox]) -> None:
@@ -178,7 +200,8 @@ def _hand_out(reply: Future[Any], items: list[tuple[_Entry, Future[Any]]]) -> No
         _fail_all(items, exc)
         return
     for (_, fut), outcome in zip(items, outcomes, strict=True):
-        fut.set_result(outcome)  # a Failure raises its call's own error when read
+        if not fut.done():  # a call cancelled before the send has already failed
+            fut.set_result(outcome)  # a Failure raises its call's own error when read
 
 
 def _fail_all(items: list[tuple[_Entry, Future[Any]]], error: BaseException) -> None:
@@ -198,12 +221,12 @@ def run_batch(entries: list[_Entry]) -> Future[list[Any]]:
     """
     outcomes: list[Any] = []
     waiting: list[int] = []
-    for func, args, kwargs in entries:
+    for func, args, kwargs, key in entries:
         if classify(func) is Kind.ASYNC:
             waiting.append(len(outcomes))
-            outcomes.append(run_python_async(func, args, kwargs))
+            outcomes.append(run_python_async(func, args, kwargs, key))
         else:
-            outcomes.append(run_python(func, args, kwargs))
+            outcomes.append(run_python(func, args, kwargs, key))
     if not waiting:
         return completed(outcomes)
 

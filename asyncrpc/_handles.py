@@ -10,6 +10,7 @@ verbs, and every call goes through the same path as `rpc_sync`::
     h.call("add", 2)                ─── rpc ──────>  obj.add(2) ──> value back
     h.call_async("add", 2)          ─── rpc ──────>  same; a Future at the caller
     h.call_remote("add", 2)         ─── remote ───>  same; the value stays, an RRef back
+    h.stream("gen", 2)              ─── pulls ────>  obj.gen(2) yields; items come in batches
     h.options(timeout=5).call(...)      (call options never mix with the method's own)
     del h  (last handle gone)       ─── delete ───>  the object is released
 
@@ -35,6 +36,7 @@ from torch.futures import Future
 from ._core import _calls, _torch
 from ._core._execution import DESCRIBE_CALL, Kind, classify
 from ._core._futures import gather
+from ._core._stream import DEFAULT_WINDOW, Stream, check_window
 
 __all__ = ["RemoteModule", "RemoteObject", "call_all", "spawn"]
 
@@ -75,6 +77,13 @@ for _owner_side in (_invoke, _invoke_async):
     setattr(_owner_side, DESCRIBE_CALL, _describe_method)
 
 
+def _invoke_stream(
+    rref: rpc.RRef[Any], name: str, args: tuple[Any, ...], kw: dict[str, Any]
+) -> Any:
+    """A handle's stream: the generator its method returns (see `_core._stream`)."""
+    return _method(rref.local_value(), name)(*args, **kw)
+
+
 def _parameter_rrefs(rref: rpc.RRef[torch.nn.Module]) -> list[rpc.RRef[torch.Tensor]]:
     return [rpc.RRef(p) for p in rref.local_value().parameters()]
 
@@ -113,6 +122,7 @@ class RemoteObject(Generic[T]):
         cls: type[T] | None = None,
         *,
         timeout: float = _calls.UNSET_RPC_TIMEOUT,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
         if not isinstance(rref, _torch.PyRRef):
             raise TypeError(
@@ -122,20 +132,31 @@ class RemoteObject(Generic[T]):
         self.rref = rref
         self.cls = cls
         self._timeout = _calls.check_timeout("timeout", timeout)
+        self._window = check_window(window)
 
     @property
     def owner(self) -> str:
         """Name of the worker that holds the object."""
         return str(self.rref.owner().name)
 
-    def options(self, *, timeout: float = _calls.UNSET_RPC_TIMEOUT) -> RemoteObject[T]:
-        """A handle to the same object whose calls use these options.
+    def options(
+        self, *, timeout: float | None = None, window: int | None = None
+    ) -> RemoteObject[T]:
+        """A handle to the same object whose calls use these options (others unchanged).
+
+        `timeout` bounds each call (as torch's: -1 the world's default, 0 none);
+        `window` bounds the items in flight of the handle's streams.
 
         Example::
 
             counter.options(timeout=2.5).call("add", 1)
         """
-        return type(self)(self.rref, self.cls, timeout=timeout)
+        return type(self)(
+            self.rref,
+            self.cls,
+            timeout=self._timeout if timeout is None else timeout,
+            window=self._window if window is None else window,
+        )
 
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         """Run `obj.method(*args, **kwargs)` on the owner and return the result."""
@@ -152,6 +173,22 @@ class RemoteObject(Generic[T]):
         owner; bound the wait for the value with `rref.to_here(timeout)`.
         """
         return _calls.send_remote(self._call(method, args, kwargs))
+
+    def stream(self, method: str, /, *args: Any, **kwargs: Any) -> Stream[Any]:
+        """Iterate the items of generator method `obj.method(*args, **kwargs)` as they come.
+
+        As `asyncrpc.stream`; the window is the handle's (`options(window=...)`).
+
+        Example::
+
+            for frame in env.stream("rollout", steps=100):
+                buffer.append(frame)
+        """
+        self._invoker(method)  # a wrong name fails here, at once
+        label = f"{self.cls.__qualname__ if self.cls else 'object'}.{method}()"
+        call = _calls.check("stream", self.owner, _invoke_stream, (self.rref, method, args,
+                            kwargs), None, self._timeout, label)  # fmt: skip
+        return Stream(call, self._window)
 
     def to_here(self) -> T:
         """A copy of the remote object, fetched to this worker."""

@@ -14,12 +14,20 @@ by one, and coalesced by `asyncrpc.Batch` into one message); a
 chained hop A -> B -> C written with async functions (Ray: an async actor
 awaiting another actor); a method call on a remote object; and, each in a
 fresh process, a 3-worker world from start to its first call and back to
-exit (asyncrpc.run, mp.spawn + rpc.init_rpc, ray.init + actors).
+exit (asyncrpc.run, mp.spawn + rpc.init_rpc, ray.init + actors). Then what
+torch RPC has no way to do, asyncrpc beside Ray (benchmarks/beyond_torch.py):
+cancelling a call, streaming a generator's items, bounding a stream.
+
+Ray stays on loopback like everything else here: on Linux its
+`_node_ip_address` alone still leaves servers on every interface, so
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set before Ray is imported, and the
+report says where Ray's new listening sockets are.
 
 Ray is optional: `pip install 'asyncrpc[bench]'` (or `pip install ray`).
 Without it the Ray rows are skipped and the rest run.
 
     python benchmarks/peers.py [--calls 200] [--rounds 5] [--startups 3] [--no-ray]
+        [--beyond-rounds 20] [--stream-items 2000]
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ from torch import Tensor
 from torch.futures import Future
 
 import asyncrpc
+
+# Before anything imports Ray: keeps every Ray server on 127.0.0.1 (see the module doc).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 Way = Callable[[], object]
 _IN_FLIGHT = 1000
@@ -166,6 +177,7 @@ def _start_ray() -> bool:
         return False
     import ray
 
+    before = _listeners()
     ray.init(
         num_cpus=2,
         include_dashboard=False,
@@ -173,7 +185,35 @@ def _start_ray() -> bool:
         _node_ip_address="127.0.0.1",
         configure_logging=False,
     )
+    opened = _listeners() - before
+    off = sorted(f"{a}:{p}" for a, p in opened if not a.startswith(("127.", "::1", "::ffff:127.")))
+    where = "all on loopback" if not off else f"{len(off)} off loopback: {off[:4]}"
+    print(f"Ray's listening sockets: {len(opened)}, {where}", flush=True)
     return True
+
+
+def _listeners() -> set[tuple[str, int]]:
+    """Every listening TCP socket of this machine: (address, port)."""
+    import ipaddress
+
+    found = set()
+    for name, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            lines = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            if state != "0A":  # LISTEN
+                continue
+            raw, port = local.split(":")
+            packed = bytes.fromhex(raw)
+            words = [packed[i : i + 4][::-1] for i in range(0, len(packed), 4)]  # host order
+            address = ipaddress.ip_address(b"".join(words)) if size == 16 else None
+            if address is None:
+                address = ipaddress.ip_address(packed[::-1])
+            found.add((str(address), int(port, 16)))
+    return found
 
 
 # ---- measuring ----------------------------------------------------------------------
@@ -201,13 +241,19 @@ def _measure(rows: dict[str, dict[str, Way]], calls: int, rounds: int) -> dict[s
 def main(ctx: asyncrpc.Context, opts: argparse.Namespace) -> None:
     if ctx.rank != 0:
         return
+    import beyond_torch
+
     small, big = torch.ones(16), torch.ones(256 * 1024)  # 64 B and 1 MiB of float32
     rows = _local_ways(small, big)
-    if not opts.no_ray and _start_ray():
+    ray = not opts.no_ray and _start_ray()
+    if ray:
         for row, ways in _ray_ways(small, big).items():
             rows[row].update(ways)
+    measured = _measure(rows, opts.calls, opts.rounds)
+    beyond = beyond_torch.ray_ways() if ray else None
+    beyond_rows = beyond_torch.measure(opts.beyond_rounds, opts.stream_items, beyond)
     with open(opts.results, "w") as f:
-        json.dump(_measure(rows, opts.calls, opts.rounds), f)
+        json.dump({"rows": measured, "beyond": beyond_rows}, f)
 
 
 # ---- start-up and shutdown, each in a fresh process ----------------------------------
@@ -315,6 +361,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--startups", type=int, default=3, help="start-up rounds (0: none)")
     parser.add_argument("--no-ray", action="store_true", help="leave Ray out")
+    parser.add_argument("--beyond-rounds", type=int, default=20, help="cancel rounds")
+    parser.add_argument("--stream-items", type=int, default=2000, help="items per stream sample")
     parser.add_argument("--probe", choices=sorted(_PROBES), help=argparse.SUPPRESS)
     parser.add_argument("--results", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -341,11 +389,16 @@ def _run(opts: argparse.Namespace) -> None:
         opts.results = os.path.join(folder, "results.json")
         asyncrpc.run(main, 3, args=(opts,))
         with open(opts.results) as f:
-            results = json.load(f)
+            measured = json.load(f)
+    results = measured["rows"]
     if opts.startups:
         ways = ["asyncrpc", "torch"] + (["ray"] if _has_ray() and not opts.no_ray else [])
         results.update(_time_startups(ways, opts.startups))
     _report(results)
+    print()
+    import beyond_torch
+
+    beyond_torch.print_rows(measured["beyond"])
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def test_each_failure_gives_one_error_type_on_every_verb() -> None:
     assert len(rows) == 1 + 14, report  # a header, then one row per failure
     for row in rows[1:]:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert len(cells) == 14 and len(set(cells[1:])) == 1, row  # one type across verbs
+        assert len(cells) == 15 and len(set(cells[1:])) == 1, row  # one type across verbs
 
 
 @pytest.mark.subprocess

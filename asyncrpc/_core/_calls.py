@@ -35,6 +35,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from . import _torch, _world
+from ._cancel import Sent, new_key
 from ._errors import NestedCallError, UnknownWorkerError
 from ._execution import Kind, classify, run_python, run_python_async
 from ._failures import check_reply, label_of, raise_unsendable
@@ -70,6 +71,7 @@ class Call(NamedTuple):
     kwargs: Mapping[str, Any] | None
     seconds: float  # the timeout in torch's terms (-1: the world's default)
     label: object  # the function, or a text such as "Counter.add()"
+    sent: Sent  # where it goes and its key: its Future's tag (naming, cancel)
 
 
 # ---- the public verbs -----------------------------------------------------------------
@@ -192,7 +194,10 @@ def check(
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"{verb}: kwargs must be a dict, got {type(kwargs).__name__}")
     seconds = check_timeout(verb, timeout)
-    return Call(worker, to, func, args, kwargs, seconds, func if label is None else label)
+    label = func if label is None else label
+    callee = int(to.id) if isinstance(to, WorkerInfo) else world.context.names.index(worker)
+    sent = Sent(worker, label, callee, new_key(world.context.rank))
+    return Call(worker, to, func, args, kwargs, seconds, label, sent)
 
 
 def _worker_name(verb: str, to: object, names: Sequence[str]) -> str:
@@ -230,8 +235,8 @@ def check_timeout(verb: str, timeout: float | None) -> float:
 
 def send(call: Call) -> Future[Any]:
     """torch's rpc_async for a checked call; the reply reads as the module doc says."""
-    sent, replied = _traced(call.worker, call.func)
-    func, args, kwargs = _wrapped(call.func, sent, call.args, call.kwargs)
+    traced, replied = _traced(call.worker, call.func)
+    func, args, kwargs = _wrapped(call.func, traced, call.args, call.kwargs, call.sent.key)
     try:
         if kwargs is None and isinstance(call.to, WorkerInfo) and func in _RUNNERS:
             is_async = func is run_python_async
@@ -240,7 +245,7 @@ def send(call: Call) -> Future[Any]:
             fut = _torch.send_torch(call.to, func, args, kwargs, call.seconds)
     except Exception as exc:
         raise_unsendable(exc, call.worker, call.label)
-    _torch.tag_future(fut, (call.worker, call.label))
+    _torch.tag_future(fut, call.sent)
     _torch.set_unwrap(fut, check_reply)
     if replied is not None:
         fut.add_done_callback(replied)
@@ -251,8 +256,8 @@ def send(call: Call) -> Future[Any]:
 
 def send_remote(call: Call) -> rpc.RRef[Any]:
     """torch's remote for a checked call; the owner keeps the value (or the Failure)."""
-    sent, replied = _traced(call.worker, call.func)
-    func, args, kwargs = _wrapped(call.func, sent, call.args, call.kwargs)
+    traced, replied = _traced(call.worker, call.func)
+    func, args, kwargs = _wrapped(call.func, traced, call.args, call.kwargs, call.sent.key)
     try:
         rref = _torch.remote(call.to, func, args=args, kwargs=kwargs, timeout=call.seconds)
     except Exception as exc:
@@ -294,17 +299,18 @@ _RUNNERS = (run_python, run_python_async)
 
 def _wrapped(
     func: Callable[..., Any],
-    sent: Callable[..., Any],
+    traced: Callable[..., Any],
     args: Sequence[Any] | None,
     kwargs: Mapping[str, Any] | None,
+    key: int,
 ) -> tuple[Callable[..., Any], tuple[Any, ...] | None, Mapping[str, Any] | None]:
-    """What to send: `sent` inside its runner, or as torch sends it (by `func`'s kind)."""
+    """What to send: `traced` inside its runner, or as torch sends it (by `func`'s kind)."""
     kind = classify(func)
     args = None if args is None else tuple(args)
     if kind is Kind.TORCH:
-        return sent, args, kwargs
+        return traced, args, kwargs
     runner = run_python_async if kind is Kind.ASYNC else run_python
-    return runner, (sent, args or (), dict(kwargs or {})), None
+    return runner, (traced, args or (), dict(kwargs or {}), key), None
 
 
 # ---- blocking calls from RPC threads --------------------------------------------------

@@ -11,6 +11,7 @@ message, so code written against torch keeps catching it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import pickle
 import signal
 
@@ -19,6 +20,7 @@ __all__ = [
     "AwaitedNonFutureError",
     "BatchNotSentError",
     "CallTimeoutError",
+    "CancelledError",
     "DuplicateNameError",
     "NestedCallError",
     "NotAFutureError",
@@ -215,3 +217,27 @@ class BatchNotSentError(AsyncRPCError, RuntimeError):
     Its calls leave when the `with asyncrpc.Batch()` block ends or at
     `batch.send()`; a Future read before that could never complete.
     """
+
+
+class CancelledError(AsyncRPCError, concurrent.futures.CancelledError):
+    """A call was cancelled (`fut.cancel()`, `asyncrpc.cancel(fut)`) before it finished.
+
+    Also a `concurrent.futures.CancelledError`. The message names the worker
+    and the function. Attribute `name`: the worker that ran (or was to run) it.
+
+    Example::
+
+        fut = asyncrpc.rpc_async("worker1", slow_search, args=(query,))
+        fut.cancel()
+        try:
+            fut.wait()
+        except asyncrpc.CancelledError as exc:
+            print(exc)   # the call to slow_search() on worker 'worker1' (rank 1) was cancelled
+    """
+
+    def __init__(self, message: str, name: str = "") -> None:
+        super().__init__(message)
+        self.name = name
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.name))

@@ -40,8 +40,8 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.futures import Future
 
-from . import _torch
-from ._errors import AwaitedNonFutureError, NotAFutureError
+from . import _cancel, _torch
+from ._errors import AwaitedNonFutureError, CancelledError, NotAFutureError
 from ._failures import Failure, capture, check_reply, label_of
 from ._futures import await_future, completed, driving, new_future
 from ._world import describe_self
@@ -92,19 +92,32 @@ def _is_coroutine_function(func: object) -> bool:
 # ---- the runners: what an asyncrpc call runs on the callee ---------------------------
 
 
-def run_python(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def run_python(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: int = 0
+) -> Any:
     """Run a called function on the callee; an exception becomes the call's value.
 
-    As torch does, the callee also writes the error to its stderr.
+    `key` names the call for cancellation (0: none). As torch does, the
+    callee also writes the error to its stderr.
     """
+    state = _cancel.begin(key) if key else None
+    if key and state is None:
+        return _cancelled(func, args, before=True)
+    outer = _cancel.enter(state)
     try:
-        return func(*args, **kwargs)
+        value = func(*args, **kwargs)
     except Exception as exc:
-        failure = _captured(exc, _called(func, args), False)
-        text = getattr(failure.error, "remote_text", failure.error)
+        value = _captured(exc, _called(func, args), False)
+        text = getattr(value.error, "remote_text", value.error)
         with contextlib.suppress(Exception):  # a closed stderr must not fail the call
             print(text, file=sys.stderr, flush=True)
-        return failure
+    finally:
+        _cancel.enter(outer)
+        if state is not None:
+            _cancel.end(state)
+    if state is not None and state.cancelled:
+        return _cancelled(func, args)
+    return value
 
 
 # The Future an async_execution wrapper returns next goes straight back to an
@@ -113,22 +126,44 @@ _reply = threading.local()
 
 
 def run_python_async(
-    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: int = 0
 ) -> Future[Any]:
-    """Run an async callable on the callee; a Future of its value or its Failure."""
+    """Run an async callable on the callee; a Future of its value or its Failure.
+
+    The Task or Future the call makes takes charge of its cancellation (`key`).
+    """
+    state = _cancel.begin(key) if key else None
+    if key and state is None:
+        return completed(_cancelled(func, args, before=True))
+    outer = _cancel.enter(state)
     _reply.asked, _reply.made = True, None
     try:
         result = func(*args, **kwargs)
     except Exception as exc:
-        return completed(_captured(exc, _called(func, args), False))
+        result = completed(_captured(exc, _called(func, args), False))
     finally:
         made, _reply.asked, _reply.made = _reply.made, False, None
+        _cancel.enter(outer)
     if inspect.iscoroutine(result):
-        return start_coroutine(result, _called(func, args))
-    if isinstance(result, _torch.FutureType):
-        # One of ours already carries asyncrpc's form; torch's decorator's does not.
-        return result if result is made else settle_future(result, _called(func, args))
-    return completed(result)
+        return start_coroutine(result, _called(func, args), state=state)
+    if not isinstance(result, _torch.FutureType):
+        result = completed(result)
+    if result is made and (state is None or state.on_cancel is not None):
+        return cast(Future[Any], result)  # ours: in asyncrpc's form, in charge of the call
+    return settle_future(result, _called(func, args), state=state)
+
+
+def _cancelled(func: Callable[..., Any], args: tuple[Any, ...], before: bool = False) -> Failure:
+    """The reply of a cancelled call, naming this worker and the function."""
+    return Failure(cancelled_error(_called(func, args), before))
+
+
+def cancelled_error(func: object, before: bool = False) -> CancelledError:
+    """CancelledError for a call of `func` on this worker."""
+    when = " before it started" if before else ""
+    name = describe_self()
+    me = name.split("'")[1] if name.count("'") >= 2 else name
+    return CancelledError(f"the call to {label_of(func)} on {name} was cancelled{when}", me)
 
 
 # A runner's function may say what a call of it is, for messages: a handle's owner
@@ -162,14 +197,32 @@ def _made(out: Future[Any], for_torch: bool) -> Future[Any]:
     return out
 
 
-def settle_future(fut: Any, fn: object, for_torch: bool = False) -> Future[Any]:
-    """`fut`'s outcome as a new Future whose failure is a Failure value (named here)."""
-    out: Future[Any] = fut.then(functools.partial(_capture_outcome, fn, for_torch))
+def settle_future(
+    fut: Any, fn: object, for_torch: bool = False, state: _cancel.Running | None = None
+) -> Future[Any]:
+    """`fut`'s outcome as a new Future whose failure is a Failure value (named here).
+
+    With `state` (the call it answers, if nobody took charge of it yet), the
+    outcome of a cancelled call is CancelledError, and cancelling the call
+    cancels `fut` where asyncrpc can.
+    """
+    state = state if state is not None else _cancel.current()
+    owned = state is not None and _cancel.claim(state, lambda: _torch.cancel(fut))
+    out: Future[Any] = fut.then(
+        functools.partial(_capture_outcome, fn, for_torch, state if owned else None)
+    )
     _torch.set_unwrap(out, check_reply)
+    _torch.combine(out, [fut])
     return out
 
 
-def _capture_outcome(fn: object, for_torch: bool, fut: Future[Any]) -> Any:
+def _capture_outcome(
+    fn: object, for_torch: bool, state: _cancel.Running | None, fut: Future[Any]
+) -> Any:
+    if state is not None:
+        _cancel.end(state)
+        if state.cancelled:
+            return Failure(cancelled_error(fn), for_torch)
     try:
         return fut.wait()
     except BaseException as exc:  # torch would keep it in the Future: carry it as a value
@@ -254,19 +307,50 @@ def _wrap_coroutine(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[...
 
 
 def start_coroutine(
-    coro: Coroutine[Any, Any, Any], fn: object, for_torch: bool = False
+    coro: Coroutine[Any, Any, Any],
+    fn: object,
+    for_torch: bool = False,
+    state: _cancel.Running | None = None,
 ) -> Future[Any]:
-    """Run `coro` on this thread until it awaits; a Future of its result (or Failure)."""
+    """Run `coro` on this thread until it awaits; a Future of its result (or Failure).
+
+    The coroutine takes charge of the call it runs for (`state`, by default
+    this thread's current call, if nobody did yet): cancelling that call
+    cancels it at its current `await`. Cancelling the returned Future does too.
+    """
     _torch.install_await(await_future)  # until the world's shutdown (enable_await: for good)
     out = new_future()
-    _Task(coro, out, fn, for_torch).step()
+    task = _Task(coro, out, fn, for_torch)
+    state = state if state is not None else _cancel.current()
+    if state is not None and _cancel.claim(state, task.cancel):
+        task.state = state
+    _torch.set_canceller(out, task.cancel)
+    task.start()
     return out
 
 
 class _Task:
-    """Drives one coroutine: each awaited torch Future resumes it from its done-callback."""
+    """Drives one coroutine: each awaited torch Future resumes it from its done-callback.
 
-    __slots__ = ("_coro", "_fn", "_for_torch", "_out")
+    One step at a time (a lock): a step runs when the Task starts, when the
+    Future it awaits completes, or when it is cancelled. Cancelling throws
+    `asyncio.CancelledError` into the coroutine at its `await` (at once, or
+    at its next `await` if it is running) and cancels the Future it awaited.
+    """
+
+    __slots__ = (
+        "_awaiting",
+        "_coro",
+        "_done",
+        "_fn",
+        "_for_torch",
+        "_lock",
+        "_out",
+        "_thrown",
+        "_waker",
+        "__weakref__",  # its cancel is held weakly (see _torch.set_canceller)
+        "state",
+    )
 
     def __init__(
         self, coro: Coroutine[Any, Any, Any], out: Future[Any], fn: object, for_torch: bool
@@ -275,29 +359,91 @@ class _Task:
         self._out = out
         self._fn = fn
         self._for_torch = for_torch
+        self._lock = threading.RLock()
+        self._awaiting: Any = None
+        self._waker: _Waker | None = None
+        self._done = self._thrown = False
+        self.state: _cancel.Running | None = None
 
-    def step(self, error: BaseException | None = None) -> None:
+    def start(self) -> None:
+        self._run(None)
+
+    def cancel(self) -> bool:
+        """Stop the coroutine at its `await`; False when it has finished."""
+        with self._lock:
+            if self._done:
+                return False
+            if self.state is not None:
+                self.state.cancelled = True
+            awaiting = self._stop_awaiting()
+            if awaiting is None:
+                self._thrown = False  # running or not started: at its next await
+                return True
+        self._run(asyncio.CancelledError(f"{_name(self._fn)} was cancelled"))
+        _torch.cancel(awaiting)  # the call it awaited: the next hop stops too
+        return True
+
+    def resume(self, waker: _Waker) -> None:
+        with self._lock:
+            if self._done or waker is not self._waker:
+                return  # cancelled meanwhile: the coroutine no longer waits for it
+            self._stop_awaiting()
+        self._run(None)
+
+    def _stop_awaiting(self) -> Any:
+        awaiting, self._awaiting = self._awaiting, None
+        if self._waker is not None:
+            self._waker.task = None  # what stays on `awaiting` no longer holds this Task
+            self._waker = None
+        return awaiting
+
+    def _run(self, error: BaseException | None) -> None:
+        with self._lock:
+            outcome, done = self._step(error)
+        if done:  # outside the lock: callbacks run inline here
+            self._out.set_result(outcome)
+
+    def _step(self, error: BaseException | None) -> tuple[Any, bool]:
+        outer_state = _cancel.enter(self.state)
         outer, driving.active = getattr(driving, "active", False), True
-        outcome: Any = None
         try:
-            awaited = self._coro.throw(error) if error else self._coro.send(None)
-        except StopIteration as stop:
-            outcome = stop.value
-        except BaseException as exc:  # every failure must reach the caller
-            outcome = _captured(self._explain(exc), self._fn, self._for_torch)
-        else:
-            if isinstance(awaited, _torch.FutureType):
-                awaited.add_done_callback(self._resume)
-            else:
-                self.step(self._not_a_future(awaited))
-            return
+            while True:
+                try:
+                    awaited = self._coro.throw(error) if error else self._coro.send(None)
+                except StopIteration as stop:
+                    return self._finish(stop.value), True
+                except BaseException as exc:  # every failure must reach the caller
+                    failed = _captured(self._explain(exc), self._fn, self._for_torch)
+                    return self._finish(failed), True
+                error = self._next_error(awaited)
+                if error is None:
+                    self._await(awaited)
+                    return None, False
         finally:
             driving.active = outer
-        # Outside the handler: callbacks run inline here, and none may see `exc`.
-        self._out.set_result(outcome)
+            _cancel.enter(outer_state)
 
-    def _resume(self, _: Future[Any]) -> None:
-        self.step()
+    def _next_error(self, awaited: object) -> BaseException | None:
+        if not isinstance(awaited, _torch.FutureType):
+            return self._not_a_future(awaited)
+        if self.state is not None and self.state.cancelled and not self._thrown:
+            self._thrown = True  # cancelled while it ran: now, at this await
+            return asyncio.CancelledError(f"{_name(self._fn)} was cancelled")
+        return None
+
+    def _await(self, awaited: Any) -> None:
+        self._awaiting = awaited
+        self._waker = _Waker(self)
+        awaited.add_done_callback(self._waker)
+
+    def _finish(self, outcome: Any) -> Any:
+        self._done = True
+        self._stop_awaiting()
+        state = self.state
+        if state is None:
+            return outcome
+        _cancel.end(state)
+        return Failure(cancelled_error(self._fn), self._for_torch) if state.cancelled else outcome
 
     def _not_a_future(self, awaited: object) -> AwaitedNonFutureError:
         what = "an asyncio Future" if asyncio.isfuture(awaited) else _short(awaited)
@@ -320,6 +466,24 @@ class _Task:
             return exc
         err.__cause__ = exc
         return err
+
+
+class _Waker:
+    """The callback a Task leaves on the Future it awaits; let go of when it stops waiting.
+
+    torch Futures cannot drop a callback: a Future that never completes keeps
+    this small object, never the Task, its coroutine or its Future.
+    """
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: _Task) -> None:
+        self.task: _Task | None = task
+
+    def __call__(self, _: object) -> None:
+        task = self.task
+        if task is not None:
+            task.resume(self)
 
 
 def _name(fn: object) -> str:

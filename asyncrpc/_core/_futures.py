@@ -158,7 +158,7 @@ def chain(fut: Future[Any], *fns: Callable[[Any], Any]) -> Future[Any]:
                 f"function itself: chain(fut, f) rather than chain(fut, f(x))"
             )
     out = Settle()
-    _torch.guard_combined(out.future, [fut])
+    _torch.combine(out.future, [fut])
 
     def advance(step: int, source: Future[Any]) -> None:
         try:
@@ -188,7 +188,7 @@ def gather(futs: Iterable[Future[Any]]) -> Future[list[Any]]:
     """
     items = _futures("gather", futs)
     out = Settle()
-    _torch.guard_combined(out.future, items)
+    _torch.combine(out.future, items)
     if not items:
         out.resolve([])
         return out.future
@@ -226,7 +226,7 @@ def wait_first(futs: Iterable[Future[Any]]) -> Future[Future[Any]]:
     if not items:
         raise ValueError("wait_first needs at least one Future, got none")
     out = Settle()
-    _torch.guard_combined(out.future, items)
+    _torch.combine(out.future, items)
     for item in items:
         item.add_done_callback(out.resolve)
     return out.future
@@ -293,22 +293,28 @@ def check_seconds(verb: str, seconds: object, hint: str = "", zero: bool = True)
     return float(seconds)
 
 
-def with_timeout(fut: Future[T], seconds: float) -> Future[T]:
+def with_timeout(fut: Future[T], seconds: float, *, cancel: bool = False) -> Future[T]:
     """`fut`'s outcome, or a TimeoutError if it takes longer than `seconds`.
 
     No thread waits: one shared clock thread fails the returned Future at the
-    deadline. The input keeps running; only the returned Future gives up. Example::
+    deadline. The input keeps running unless `cancel=True`: then the call
+    behind it is cancelled at the deadline (see `asyncrpc.cancel`). Example::
 
-        fut = asyncrpc.with_timeout(asyncrpc.rpc_async("worker1", slow), 5.0)
+        fut = asyncrpc.with_timeout(asyncrpc.rpc_async("worker1", slow), 5.0, cancel=True)
     """
     (source,) = _futures("with_timeout", [fut])
     delay = check_seconds("with_timeout", seconds, zero=False)
+    if not isinstance(cancel, bool):
+        raise TypeError(f"with_timeout: cancel must be True or False, got {cancel!r}")
     out = Settle()
-    _torch.guard_combined(out.future, [source])
-    alarm = _clock.call_at(
-        time.monotonic() + delay,
-        lambda: out.reject(TimeoutError(f"the Future did not complete within {delay:g} s")),
-    )
+    _torch.combine(out.future, [source])
+
+    def expire() -> None:
+        out.reject(TimeoutError(f"the Future did not complete within {delay:g} s"))
+        if cancel:
+            _torch.cancel(source)
+
+    alarm = _clock.call_at(time.monotonic() + delay, expire)
 
     def on_done(f: Future[Any]) -> None:
         alarm.cancel()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -56,15 +57,17 @@ __all__ = [
     "TCPStore",
     "WorkerInfo",
     "agent_running",
+    "agent_store",
     "agent_threads",
     "async_target",
     "backend_options",
     "bound_static_rendezvous",
+    "cancel",
     "check_guard",
     "collect_for_wait_all",
+    "combine",
     "current_agent",
     "failure_kind",
-    "guard_combined",
     "guard_reads",
     "install",
     "install_await",
@@ -83,6 +86,7 @@ __all__ = [
     "rref_future",
     "send_python",
     "send_torch",
+    "set_canceller",
     "set_unwrap",
     "tag_future",
     "uninstall",
@@ -133,6 +137,12 @@ def current_agent() -> Any:
 def worker_infos() -> list[WorkerInfo]:
     """Every worker of the running world, in rank order."""
     return sorted(current_agent().get_worker_infos(), key=lambda info: info.id)
+
+
+def agent_store() -> Store:
+    """The store torch's agent formed its world with (any world; a PrefixStore)."""
+    store: Store = current_agent().store
+    return store
 
 
 def agent_threads(default: int = 16) -> int:
@@ -293,6 +303,8 @@ def uninstall() -> None:
                 setattr(holder, name, original)
         _patched.clear()
         _tags.clear()
+        global _hooks
+        _hooks = None
 
 
 class Hooks(NamedTuple):
@@ -303,13 +315,20 @@ class Hooks(NamedTuple):
     name_rref: Callable[[BaseException, str], BaseException]  # to_here's failure, by owner
     check_value: Callable[[object], object]  # a value read: raise a carried failure
     carry: Callable[[BaseException], object]  # a failure as a value to set on a Future
+    cancel_call: Callable[[Any], bool]  # ask a tagged call's callee to stop it
     handoff: Callable[..., Any]  # the `asyncrpc-store://` rendezvous handler
+
+
+_hooks: Hooks | None = None  # while installed
 
 
 _CORE_HOOKS: dict[str, Callable[[], object]] = {
     "torch._C.Future._set_unwrap_func": lambda: FutureType._set_unwrap_func,
     "torch._C._collect_all": lambda: torch._C._collect_all,
     "torch._C._distributed_rpc.PyRRef._get_future": lambda: PyRRef._get_future,
+    "torch._C._distributed_rpc.TensorPipeAgent.store": lambda: getattr(
+        _rpc_c.TensorPipeAgent, "store", None
+    ),
     "torch._C._distributed_rpc._invoke_rpc_python_udf": lambda: _rpc_c._invoke_rpc_python_udf,
     "torch._C._distributed_rpc._is_current_rpc_agent_set": lambda: (
         _rpc_c._is_current_rpc_agent_set
@@ -329,9 +348,10 @@ _CORE_HOOKS: dict[str, Callable[[], object]] = {
 def install(hooks: Hooks) -> None:
     """Install every process-wide patch a world needs (once; `uninstall` undoes them).
 
-    torch Futures become awaitable; reading a tagged Future, `to_here()` and
-    `local_value()` raise carried failures and name torch's; the
-    `asyncrpc-store://` rendezvous scheme exists for asyncrpc's `init_rpc`.
+    torch Futures become awaitable and cancellable (`fut.cancel()`); reading a
+    tagged Future, `to_here()` and `local_value()` raise carried failures and
+    name torch's; the `asyncrpc-store://` rendezvous scheme exists for
+    asyncrpc's `init_rpc`.
     """
     with _patch_lock:
         if (id(FutureType), "wait") in _patched:
@@ -345,7 +365,10 @@ def install(hooks: Hooks) -> None:
         _patch(torch._C, "_collect_all", _early_collect_all(torch._C._collect_all, hooks))
         _patch(PyRRef, "to_here", _checked_to_here(PyRRef.to_here, hooks))
         _patch(PyRRef, "local_value", _checked_local_value(PyRRef.local_value, hooks))
+        _patch(FutureType, "cancel", cancel)
         _patch(_rendezvous_module._rendezvous_handlers, "asyncrpc-store", hooks.handoff)
+        global _hooks
+        _hooks = hooks
 
 
 def install_await(method: Callable[[Any], Any], keep: bool = False) -> None:
@@ -395,6 +418,12 @@ def tag_future(fut: Any, tag: object) -> None:
 # A read that would block on a Future that can never complete (a Batch call
 # before its Batch is sent) should fail at once: `check()` runs first and raises.
 _guards: weakref.WeakKeyDictionary[Any, Callable[[], None]] = weakref.WeakKeyDictionary()
+# A Future made of others (gather, chain, with_timeout, wait_all): its inputs,
+# which its guard checks and its cancel() cancels.
+_combined: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+# Futures cancelled by a function of their own (an async def's Task, say). Held
+# weakly when a bound method: a value that reaches its key would keep it forever.
+_cancellers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def guard_reads(fut: Any, check: Callable[[], None]) -> None:
@@ -402,24 +431,51 @@ def guard_reads(fut: Any, check: Callable[[], None]) -> None:
     _guards[fut] = check
 
 
+def combine(fut: Any, inputs: Sequence[Any]) -> None:
+    """Record that `fut` is made of `inputs`: their guards are its guard, cancel reaches them."""
+    _combined[fut] = list(inputs)
+
+
 def check_guard(fut: Any) -> None:
-    """Raise what `fut`'s guard raises, if it has one and is not done yet."""
-    check = _guards.get(fut) if _guards else None
-    if check is not None and not fut.done():
-        check()
-
-
-def guard_combined(combined: Any, inputs: Sequence[Any]) -> None:
-    """Guard a Future made of `inputs` with their guards, if any has one."""
-    guarded = [fut for fut in inputs if fut in _guards] if _guards else []
-    if not guarded:
+    """Raise what a guard of `fut`, or of a Future it is made of, raises."""
+    if not _guards or fut.done():
         return
+    check = _guards.get(fut)
+    if check is not None:
+        check()
+    for part in _combined.get(fut, ()):
+        check_guard(part)
 
-    def check_inputs() -> None:
-        for fut in guarded:
-            check_guard(fut)
 
-    _guards[combined] = check_inputs
+def set_canceller(fut: Any, cancel: Callable[[], bool]) -> None:
+    """Make `cancel()` what cancelling `fut` does (it returns whether anything was stopped).
+
+    A bound method is held weakly (its object must not hold `fut` for good);
+    any other callable must not reach `fut` (use a weakref to it).
+    """
+    _cancellers[fut] = weakref.WeakMethod(cancel) if inspect.ismethod(cancel) else cancel
+
+
+def cancel(fut: Any) -> bool:
+    """Cancel the work behind `fut`; False when it is done or not asyncrpc's to cancel.
+
+    An asyncrpc call asks its callee to stop (`Hooks.cancel_call`); a local
+    Future runs its own canceller; a combined Future cancels its inputs.
+    """
+    if fut.done():
+        return False
+    own = _cancellers.get(fut)
+    if isinstance(own, weakref.WeakMethod):
+        own = own()
+    if own is not None:
+        return bool(own())
+    inputs = _combined.get(fut)
+    if inputs is not None:
+        return any([cancel(part) for part in inputs])  # a list: every input is asked
+    tag, hooks = _tags.get(fut), _hooks
+    if tag is None or hooks is None:
+        return False
+    return hooks.cancel_call(tag)
 
 
 def _named_read(read: Callable[[Any], Any], hooks: Hooks) -> Callable[[Any], Any]:
@@ -465,7 +521,7 @@ def _early_collect_all(collect: Callable[[list[Any]], Any], hooks: Hooks) -> Cal
             return collect(futures)
         early: Any = torch.futures.Future()
         early._set_unwrap_func(hooks.check_value)
-        guard_combined(early, futures)
+        combine(early, futures)
         claim = threading.Lock()
 
         def settle(value: object) -> None:

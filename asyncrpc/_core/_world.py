@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from . import _net, _rendezvous, _torch
+from . import _cancel, _net, _rendezvous, _torch
+from ._cancel import Sent
 from ._context import Context, Settings, names_for, resolve_world_size
 from ._errors import AsyncRPCError, NotInitializedError, WorldSizeMismatchError
 from ._failures import check_reply, hold, name_failure
@@ -103,6 +104,7 @@ def _adopt() -> World:
     context = Context(int(me.id), len(names), str(me.name), names, _leave=_leave)
     world = World(context, _torch.agent_threads())
     _install_hooks()  # first: a world is only cached once torch is patched for it
+    _cancel.watch()
     _adopted = (agent, world)
     return world
 
@@ -115,8 +117,8 @@ def _install_hooks() -> None:
         log_unwaited_failures(True)
 
 
-def _name_read(error: BaseException, sent: tuple[str, object]) -> BaseException:
-    return name_failure(error, *sent)  # a call's tag: (worker, func)
+def _name_read(error: BaseException, sent: Sent) -> BaseException:
+    return name_failure(error, sent.worker, sent.label)  # a call's tag
 
 
 def _name_rref(error: BaseException, owner: str) -> BaseException:
@@ -129,6 +131,7 @@ _HOOKS = _torch.Hooks(
     name_rref=_name_rref,
     check_value=check_reply,
     carry=hold,
+    cancel_call=_cancel.request,
     handoff=_rendezvous.handoff_handler,
 )
 
@@ -256,6 +259,7 @@ def start(
             if settings.log_unwaited_failures is not None:
                 log_unwaited_failures(settings.log_unwaited_failures)
             _start_agent(world, master_addr)
+            _cancel.watch()
         except BaseException:
             _world = None
             _put_back(world)
@@ -380,6 +384,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
                 _was_shut_down = True
         finally:
             _world = _adopted = None
+            _cancel.stop_watching()  # it served cancels while the shutdown served calls
             if world is not None:
                 _put_back(world)
             _torch.uninstall()

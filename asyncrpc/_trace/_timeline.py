@@ -84,8 +84,9 @@ def _lane_spans(
         else:
             ends[lane] = end
         args = {"kind": kind, "call": span["id"], "thread": span["tid"]}
-        if "to" in span:
-            args["to"] = span["to"]
+        for key in ("to", "outcome"):
+            if key in span:
+                args[key] = span[key]
         placed.append(
             {
                 "ph": "X",

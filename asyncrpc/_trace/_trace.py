@@ -17,6 +17,7 @@ neither traced nor counted as spans.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import itertools
 import os
@@ -32,7 +33,7 @@ import torch
 from torch.futures import Future
 
 from .._core import _calls, _torch, _world
-from .._core._errors import AsyncRPCError
+from .._core._errors import AsyncRPCError, CancelledError
 from .._core._execution import Kind, classify
 from . import _timeline
 
@@ -125,28 +126,49 @@ class _Traced:
         start, thread = time.time_ns(), _this_thread()
         label = f"{_label(self.fn)} <- {self.caller}"
 
-        def record(deferred: bool) -> None:
-            recorder.add(_span("run", label, start, id=self.call_id, deferred=deferred), thread)
+        def record(deferred: bool, outcome: str) -> None:
+            span = _span("run", label, start, id=self.call_id, deferred=deferred, outcome=outcome)
+            recorder.add(span, thread)
 
         try:
             result = self.fn(*args, **kwargs)
-        except BaseException:
-            record(False)
+        except BaseException as exc:
+            record(False, _describe(exc))
             raise
         if inspect.iscoroutine(result):  # an undecorated async def: ends when it does
             return _recorded(result, record)
         if isinstance(result, Future) and self.is_async:
-            result.add_done_callback(lambda _: record(True))
+            result.add_done_callback(lambda done: record(True, outcome_of(done)))
         else:
-            record(False)
+            record(False, "ok")
         return result
 
 
-async def _recorded(coro: Coroutine[Any, Any, Any], record: Callable[[bool], None]) -> Any:
+async def _recorded(coro: Coroutine[Any, Any, Any], record: Callable[[bool, str], None]) -> Any:
+    outcome = "ok"
     try:
         return await coro
+    except BaseException as exc:
+        outcome = _describe(exc)
+        raise
     finally:
-        record(True)
+        record(True, outcome)
+
+
+def outcome_of(done: Future[Any]) -> str:
+    """How a finished call ended, for its span: "ok", "cancelled: ...", or the error."""
+    try:
+        done.value()
+    except BaseException as exc:
+        return _describe(exc)
+    return "ok"
+
+
+def _describe(error: BaseException) -> str:
+    first = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, (CancelledError, asyncio.CancelledError)):
+        return f"cancelled: {first}" if first else "cancelled"
+    return f"{type(error).__name__}: {first}"
 
 
 def _label(fn: object) -> str:
@@ -180,8 +202,9 @@ def outgoing(
         sent = _Traced(fn, call_id, _world.current_context().name)
     label = f"-> {to}: {_label(fn)}"
 
-    def replied(_: Any) -> None:
-        recorder.add(_span("call", label, start, id=call_id, to=to), thread)
+    def replied(done: Any) -> None:
+        outcome = outcome_of(done)
+        recorder.add(_span("call", label, start, id=call_id, to=to, outcome=outcome), thread)
 
     return sent, replied
 

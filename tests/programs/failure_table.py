@@ -99,6 +99,21 @@ def identity(x: object) -> object:
     return x
 
 
+def as_stream(func: Callable[..., Any], *args: Any) -> Any:
+    """A generator of one item: what `func` returns (the stream verb's producer)."""
+    yield func(*args)
+
+
+async def as_async_stream(func: Callable[..., Any], *args: Any) -> Any:
+    yield await func(*args)
+
+
+def slow_stream() -> Any:
+    yield 0
+    time.sleep(60)  # its worker is killed meanwhile
+    yield 1
+
+
 class Runner:
     """A remote object that runs what it is given (the handle verbs' target)."""
 
@@ -171,6 +186,7 @@ VERBS = [
     "call_all",
     "Ensemble",
     "Batch",
+    "stream",
 ]
 
 
@@ -191,6 +207,10 @@ def _batched(to: str, func: Any, args: tuple[Any, ...]) -> Any:
     return fut.wait()
 
 
+def _producer_of(func: Any) -> Callable[..., Any]:
+    return as_async_stream if inspect.iscoroutinefunction(func) else as_stream
+
+
 def through(verb: str, to: str, func: Any, args: tuple[Any, ...]) -> Any:
     """Run one call `func(*args)` on `to` through one verb, and read its result."""
     calls: dict[str, Callable[[], Any]] = {
@@ -200,6 +220,7 @@ def through(verb: str, to: str, func: Any, args: tuple[Any, ...]) -> Any:
         "await rpc_async()": lambda: asyncio.run(_awaited(asyncrpc.rpc_async(to, func, args))),
         "remote().to_here()": lambda: asyncrpc.remote(to, func, args=args).to_here(),
         "Batch": lambda: _batched(to, func, args),
+        "stream": lambda: list(asyncrpc.stream(to, _producer_of(func), args=(func, *args))),
     }
     if verb in calls:
         return calls[verb]()
@@ -264,6 +285,8 @@ def _killed_row() -> list[str]:
     runner = asyncrpc.spawn("worker2", Runner)
     ens = asyncrpc.Ensemble(Trouble, 1, workers=["worker2"], combine=first)
     rref = asyncrpc.remote("worker2", identity, args=(1,))
+    items = asyncrpc.stream("worker2", slow_stream)
+    assert next(items) == 0
     os.kill(asyncrpc.rpc_sync("worker2", pid), signal.SIGKILL)
     time.sleep(0.5)
     to = "worker2"
@@ -281,6 +304,7 @@ def _killed_row() -> list[str]:
         "call_all": lambda: asyncrpc.call_all([runner], "run", identity, 1).wait(),
         "Ensemble": lambda: ens(1),
         "Batch": lambda: _batched(to, identity, (1,)),
+        "stream": lambda: list(items),
     }
     return [outcome(dead[v], asyncrpc.WorkerUnreachableError, to) for v in VERBS]
 

@@ -1,0 +1,274 @@
+"""Cancelling calls: the caller's request, the callee's record of the calls it runs.
+
+A cancel must reach a callee whose RPC threads may all be busy (the call to
+stop may itself wait in torch's queue behind them), so it does not travel as
+an RPC: it goes through the store the world was formed with, and a watcher
+thread on each worker, blocked on that store, takes it at once::
+
+    caller                        world's store                      callee
+    fut.cancel()
+      add  cancel/{callee}/n   ──> n
+      set  cancel/{callee}/{n} ──> "{key}"  ── wakes ──> watcher: deliver(key)
+                                                           running?   mark it cancelled; an
+                                                                      async def gets CancelledError
+                                                                      at its await and cancels
+                                                                      what it awaits (the next hop)
+                                                           not yet?   a tombstone: it never starts
+    <──────────── the call's reply: CancelledError ──────────── (its own Future fails) ──
+
+Every call asyncrpc sends carries a key, ``caller rank << 40 | number``. A
+sync function cannot be stopped from outside: it can poll `cancelled()`;
+whatever it returns, a cancelled call's reply is a CancelledError.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from . import _torch
+
+__all__ = [
+    "Running",
+    "Sent",
+    "begin",
+    "cancel",
+    "cancelled",
+    "claim",
+    "current",
+    "deliver",
+    "end",
+    "enter",
+    "new_key",
+    "request",
+    "stop_watching",
+    "watch",
+]
+
+TOMBSTONE_S = 120.0  # how long a cancel waits for a call that has not started yet
+_KEY_BITS = 40
+_STOP = "stop"
+_numbers = itertools.count(1)
+
+
+class Sent(NamedTuple):
+    """Where a call went (its Future's tag): names its failures, addresses its cancel."""
+
+    worker: str
+    label: object
+    callee: int  # rank
+    key: int  # caller rank << 40 | number
+
+
+def new_key(caller_rank: int) -> int:
+    """A key for the next call this process sends."""
+    return (caller_rank << _KEY_BITS) | next(_numbers)
+
+
+# ---- the caller's side -----------------------------------------------------------------
+
+
+def cancel(fut: Any) -> bool:
+    """Cancel the call behind `fut`; False when it has finished or cannot be cancelled.
+
+    Works on the Futures of `rpc_async`, a handle's `call_async`, `Batch`,
+    `call_all`, `gather`, an Ensemble's `call_async`, and a local `async def`
+    run by asyncrpc; `fut.cancel()` is the same. The callee stops the call
+    (an `async def` at its current `await`, and what it awaits in turn; a
+    call not started yet never starts; a sync function may poll
+    `asyncrpc.cancelled()`), and `fut` fails with `asyncrpc.CancelledError`.
+
+    Example::
+
+        fut = asyncrpc.rpc_async("worker1", rollout, args=(policy,))
+        if asyncrpc.cancel(fut):
+            ...  # fut.wait() raises asyncrpc.CancelledError
+    """
+    if not isinstance(fut, _torch.FutureType):
+        raise TypeError(
+            f"cancel takes a Future (what rpc_async returns), got {type(fut).__name__} {fut!r:.60}"
+        )
+    return _torch.cancel(fut)
+
+
+def request(sent: Sent) -> bool:
+    """Ask `sent.callee` to stop the call `sent.key`; False when the store cannot be reached."""
+    try:
+        _send(_torch.agent_store(), sent.callee, str(sent.key))
+    except Exception:  # the world is going away: nothing is left to stop
+        return False
+    return True
+
+
+def _send(store: Any, rank: int, text: str) -> None:
+    number = store.add(f"asyncrpc/cancel/{rank}/n", 1)
+    store.set(f"asyncrpc/cancel/{rank}/{number}", text)
+
+
+# ---- the callee's side: calls running here, and cancels that came first ----------------
+
+
+class Running:
+    """One call this worker runs: whether it was cancelled, and how to stop it."""
+
+    __slots__ = ("cancelled", "key", "on_cancel")
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+        self.cancelled = False
+        self.on_cancel: Callable[[], object] | None = None
+
+
+_lock = threading.Lock()
+_running: dict[int, Running] = {}
+_tombstones: dict[int, float] = {}  # key -> when the cancel expires
+_current = threading.local()
+
+
+def begin(key: int) -> Running | None:
+    """Record a call as running; None when it was cancelled before it started."""
+    if not _watcher.started:
+        watch()
+    with _lock:
+        if _tombstones and _tombstones.pop(key, None) is not None:
+            return None
+        state = _running[key] = Running(key)
+    return state
+
+
+def claim(state: Running, on_cancel: Callable[[], object]) -> bool:
+    """Take charge of a call's cancellation (the first Task or Future it makes does).
+
+    Returns False when someone already has; runs `on_cancel` at once if the
+    call was cancelled before anyone took charge.
+    """
+    with _lock:
+        if state.on_cancel is not None:
+            return False
+        state.on_cancel = on_cancel
+        already = state.cancelled
+    if already:
+        on_cancel()
+    return True
+
+
+def end(state: Running) -> None:
+    """The call is over."""
+    _running.pop(state.key, None)
+
+
+def deliver(key: int) -> None:
+    """A cancel for `key` arrived: stop the call, or keep a tombstone until it comes."""
+    with _lock:
+        state = _running.get(key)
+        if state is None:
+            now = time.monotonic()
+            for old in [k for k, until in _tombstones.items() if until < now]:
+                del _tombstones[old]
+            _tombstones[key] = now + TOMBSTONE_S
+            return
+        state.cancelled = True
+        on_cancel = state.on_cancel
+    if on_cancel is not None:
+        on_cancel()
+
+
+def current() -> Running | None:
+    """The call this thread runs now, if any."""
+    return getattr(_current, "state", None)
+
+
+def enter(state: Running | None) -> Running | None:
+    """Make `state` this thread's current call; returns the one to put back."""
+    before = getattr(_current, "state", None)
+    _current.state = state
+    return before
+
+
+def cancelled() -> bool:
+    """True inside a call whose caller has cancelled it: stop early and return.
+
+    A running sync function cannot be interrupted safely; it can poll this
+    (an `async def` is interrupted at its current `await`). Outside a call,
+    False. Example::
+
+        def search(queries):
+            for q in queries:
+                if asyncrpc.cancelled():
+                    return None  # the caller gets CancelledError anyway
+                work(q)
+    """
+    state = getattr(_current, "state", None)
+    return state is not None and state.cancelled
+
+
+# ---- the watcher: cancels addressed to this worker, taken from the store -------------------
+
+
+class _Watcher:
+    def __init__(self) -> None:
+        self.started = False
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.rank = -1
+        self.store: Any = None  # to wake it with a stop, after its agent is gone
+
+
+_watcher = _Watcher()
+
+
+def watch() -> None:
+    """Start this worker's watcher (once per world; a no-op while one runs)."""
+    with _watcher.lock:
+        if _watcher.started or not _torch.agent_running():
+            return
+        _watcher.started = True  # also when it cannot start: calls must not retry each time
+        try:
+            store = _torch.agent_store()
+            listening = store.clone()  # type: ignore[attr-defined]  # its own: it blocks in wait()
+            rank = int(_torch.current_agent().get_worker_info().id)
+        except Exception:  # an agent without a store: cancels cannot reach this worker
+            return
+        thread = threading.Thread(
+            target=_watch, args=(listening, rank), name="asyncrpc-cancels", daemon=True
+        )
+        _watcher.thread, _watcher.rank, _watcher.store = thread, rank, store
+        thread.start()
+
+
+def stop_watching() -> None:
+    """Stop this worker's watcher once its world has ended (a message wakes it)."""
+    with _watcher.lock:
+        thread, rank, store = _watcher.thread, _watcher.rank, _watcher.store
+        _watcher.started, _watcher.thread, _watcher.store = False, None, None
+    with _lock:
+        _tombstones.clear()
+    if thread is None:
+        return
+    try:
+        _send(store, rank, _STOP)
+    except Exception:
+        return  # the store is gone: the watcher's wait fails, and it ends
+    thread.join(5.0)
+
+
+def _watch(store: Any, rank: int) -> None:
+    forever = datetime.timedelta(days=365)
+    for number in itertools.count(1):
+        key = f"asyncrpc/cancel/{rank}/{number}"
+        try:
+            store.wait([key], forever)
+            text = store.get(key).decode()
+            store.delete_key(key)
+        except Exception:  # the store went away with the world
+            return
+        if text == _STOP:
+            return
+        try:
+            deliver(int(text))
+        except Exception:  # a cancel must never end the watcher
+            continue

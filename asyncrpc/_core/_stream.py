@@ -1,0 +1,395 @@
+"""Streams: a remote generator's items as they are made, with backpressure.
+
+    caller                                         callee
+    s = stream("w1", gen, args=(...), window=32)
+      pull(key, gen and its args, n=32) ──────────> gen(*args) starts and runs until
+                                                    n items are ready together (or the
+                                                    first and a moment more); it pauses
+      <──── [items], ended?, failure ───────────── at its `yield` until the next pull
+    for x in s: ...  (from the buffer)
+      pull(key, n = window - buffered) ───────────> resumes it where it paused
+    break, s.close() or s dropped
+      close(key) ─────────────────────────────────> gen.close() / aclose(): its `finally` runs
+
+At most `window` items are buffered or asked for at any time, and the
+generator runs only while a pull is open, so a fast producer cannot fill the
+consumer's memory. Every pull is a call through the one call path: checked,
+traced, cancellable, its failures named as every call's are. A generator
+that raises ends the stream with its error after the items before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import threading
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar, cast
+
+from torch.futures import Future
+
+from . import _calls, _torch
+from ._execution import start_coroutine
+from ._failures import Failure, capture, check_reply, label_of
+from ._futures import completed, new_future
+from ._world import describe_self
+
+__all__ = ["DEFAULT_WINDOW", "Stream", "check_window", "open_producers", "stream"]
+
+T = TypeVar("T")
+DEFAULT_WINDOW = 32
+_GATHER_S = 0.002  # a sync generator's items made within this of the first travel together
+
+
+def stream(
+    to: _calls.Target,
+    func: Callable[..., Any],
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    window: int = DEFAULT_WINDOW,
+    timeout: float = _calls.UNSET_RPC_TIMEOUT,
+) -> Stream[Any]:
+    """Run generator `func(*args, **kwargs)` on worker `to`; iterate its items as they come.
+
+    `func` is a generator function (`def` with `yield`) or an async
+    generator (`async def` with `yield`). The result works with `for` and
+    `async for`, in the order produced. At most `window` items are in flight
+    (produced and not yet consumed); `timeout` bounds the wait for each
+    batch of items. Breaking out of the loop, `close()`, or dropping the
+    stream closes the remote generator (its `finally` runs). A generator that
+    raises ends the stream with that error, typed as every remote failure;
+    a dead producer ends it with `WorkerUnreachableError`.
+
+    Example::
+
+        for step, logits in enumerate(asyncrpc.stream("worker1", generate, args=(prompt,))):
+            print(step, logits.argmax())
+    """
+    window = check_window(window)
+    call = _calls.check("stream", to, func, args, kwargs, timeout)
+    return Stream(call, window)
+
+
+def check_window(window: object) -> int:
+    """A stream window: a positive int, or a ValueError saying what was wrong."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"window must be a positive int (items in flight), got {window!r}")
+    return window
+
+
+class Stream(Generic[T]):
+    """The caller's end of a remote generator: an iterator (sync and async) of its items.
+
+    Made by `asyncrpc.stream(...)` or a handle's `stream(...)`. Close it with
+    `close()` or a `with` block when leaving it before its end.
+    """
+
+    def __init__(self, call: _calls.Call, window: int) -> None:
+        self._call = call
+        self._window = window
+        self._buffer: collections.deque[Any] = collections.deque()
+        self._pending: Future[Any] | None = None
+        self._ended = False
+        self._failure: Failure | None = None
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _close_remote, call)
+        self._pull(opening=True)
+
+    def __iter__(self) -> Iterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        while True:
+            item = self._take(StopIteration)
+            if item is not _NOTHING:
+                return item  # type: ignore[no-any-return]
+            pending = self._pending
+            assert pending is not None
+            self._receive(pending, pending.wait())
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        while True:
+            item = self._take(StopAsyncIteration)
+            if item is not _NOTHING:
+                return item  # type: ignore[no-any-return]
+            pending = self._pending
+            assert pending is not None
+            self._receive(pending, await cast(Awaitable[Any], pending))  # asyncrpc's __await__
+
+    def close(self) -> None:
+        """Close the remote generator (its `finally` runs) and stop pulling."""
+        with self._lock:
+            ended, self._ended = self._ended, True
+            self._buffer.clear()
+        if not ended:
+            self._finalizer()
+        else:
+            self._finalizer.detach()
+
+    def __enter__(self) -> Stream[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "ended" if self._ended and not self._buffer else f"{len(self._buffer)} buffered"
+        return f"<Stream of {label_of(self._call.label)} on {self._call.worker!r}, {state}>"
+
+    def _take(self, stop: type[Exception]) -> Any:
+        """The next buffered item, or _NOTHING; raises `stop` at the end of the stream."""
+        with self._lock:
+            if self._buffer:
+                item = self._buffer.popleft()
+                self._pull_if_room()
+                return item
+            if self._ended:
+                failure, self._failure = self._failure, None
+                if failure is not None:
+                    check_reply(failure)
+                raise stop
+            return _NOTHING
+
+    def _receive(self, pending: Future[Any], reply: Any) -> None:
+        items, ended, failure = reply
+        with self._lock:
+            if pending is not self._pending:
+                return  # another reader took it
+            self._pending = None
+            self._buffer.extend(items)
+            if ended:
+                self._ended, self._failure = True, failure
+                self._finalizer.detach()  # the producer ended: nothing to close
+            else:
+                self._pull_if_room()
+
+    def _pull_if_room(self) -> None:
+        if self._pending is None and not self._ended and len(self._buffer) < self._window:
+            self._pull(opening=False)
+
+    def _pull(self, opening: bool) -> None:
+        call = self._call
+        made = (call.func, tuple(call.args or ()), dict(call.kwargs or {}))
+        args = (call.sent.key, made if opening else None, self._window - len(self._buffer))
+        pull_call = _calls.check(
+            "stream", call.worker, _pull, args, None, call.seconds, call.label
+        )
+        try:
+            self._pending = _calls.send(pull_call)
+        except BaseException:
+            self._ended = True
+            self._finalizer.detach()
+            raise
+
+
+class _Nothing:
+    pass
+
+
+_NOTHING = _Nothing()
+
+
+def _close_remote(call: _calls.Call) -> None:
+    """Tell the producer to close its generator (fire and forget)."""
+    try:
+        close = _calls.check("stream", call.worker, _close, (call.sent.key,), None, -1, call.label)
+        _calls.send(close)
+    except Exception:  # the world or the producer is gone: nothing is left to close
+        pass
+
+
+# ---- the producer's side ---------------------------------------------------------------
+
+
+class _Producer:
+    """One open generator on the callee and its pump, which runs only on credit.
+
+    Each pull grants credit: how many items the consumer can take now. The
+    pump (a thread for a generator, a Task for an async generator) makes
+    items while it has credit and pauses at the generator's `yield`
+    otherwise; a pull takes what is ready, or waits for the first item.
+    """
+
+    def __init__(self, gen: Any, label: object) -> None:
+        self.gen = gen
+        self.label = label
+        self.items: collections.deque[Any] = collections.deque()
+        self.allowed = 0  # items it may hold for the consumer
+        self.ended = False
+        self.failure: Failure | None = None
+        self.closing = False
+        self.waiting: Future[Any] | None = None  # a pull with nothing to take yet
+        self.cond = threading.Condition()
+        self.credit: Future[Any] | None = None  # an async pump waits on it
+        self.pump: Future[Any] | None = None  # an async pump's Task
+        self.next_item: Future[Any] | None = None  # the item an async pump awaits
+
+    def pull(self, n: int) -> Future[Any]:
+        with self.cond:
+            self.allowed = n
+            self.cond.notify()
+            credit, self.credit = self.credit, None
+            if self.items or self.ended:
+                reply = completed(self._take())
+            else:
+                reply = self.waiting = new_future()
+        if credit is not None:
+            credit.set_result(None)
+        return reply
+
+    def put(self, item: Any) -> None:
+        """The pump made `item`."""
+        with self.cond:
+            self.items.append(item)
+            waiting, self.waiting = self.waiting, None
+            reply = self._take() if waiting is not None else None
+        if waiting is not None:
+            waiting.set_result(reply)
+
+    def finish(self, failure: Failure | None) -> None:
+        """The generator ended (or raised)."""
+        with self.cond:
+            self.ended, self.failure = True, failure
+            waiting, self.waiting = self.waiting, None
+            reply = self._take() if waiting is not None else None
+        if waiting is not None:
+            waiting.set_result(reply)
+
+    def has_credit(self) -> bool:
+        return self.allowed > len(self.items)
+
+    def _take(self) -> tuple[list[Any], bool, Failure | None]:
+        items = list(self.items)
+        self.items.clear()
+        self.allowed -= len(items)
+        return items, self.ended, self.failure if self.ended else None
+
+
+_producers: dict[int, _Producer] = {}
+_producers_lock = threading.Lock()
+
+
+def _pull(key: int, opener: tuple[Any, ...] | None, n: int) -> Future[Any]:
+    """One pull: the items ready (up to `n`, the credit), whether it ended, its failure."""
+    producer = _producers.get(key)
+    if producer is None:
+        if opener is None:
+            return completed(([], True, None))  # closed meanwhile: an ended stream
+        opened = _open(key, *opener)
+        if isinstance(opened, Failure):
+            return completed(([], True, opened))
+        producer = opened
+    reply = producer.pull(n)
+    reply.add_done_callback(lambda done: _forget_if_ended(key, producer, done))
+    return reply
+
+
+_torch.mark_async(_pull, _pull)
+
+
+def _open(
+    key: int, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> _Producer | Failure:
+    try:
+        gen = func(*args, **kwargs)
+        if not (inspect.isgenerator(gen) or inspect.isasyncgen(gen)):
+            raise TypeError(
+                f"asyncrpc.stream runs a generator function (def or async def with `yield`), "
+                f"but {label_of(func)} returned {type(gen).__name__}; yield the items, or call "
+                f"it with rpc_sync"
+            )
+    except Exception as exc:
+        return capture(exc, describe_self(), func)
+    producer = _Producer(gen, func)
+    with _producers_lock:
+        _producers[key] = producer
+    if inspect.isasyncgen(gen):
+        producer.pump = start_coroutine(_pump_async(producer), func)
+    else:
+        name = f"asyncrpc-stream-{label_of(func)}"
+        threading.Thread(target=_pump, args=(producer,), name=name, daemon=True).start()
+    return producer
+
+
+def _pump(producer: _Producer) -> None:
+    """Run a generator on credit, on a thread of its own; close it when told."""
+    failure = None
+    try:
+        while True:
+            with producer.cond:
+                while not producer.has_credit() and not producer.closing:
+                    producer.cond.wait()
+                if producer.closing:
+                    break
+            try:
+                item = next(producer.gen)
+            except StopIteration:
+                break
+            producer.put(item)
+    except Exception as exc:
+        failure = capture(exc, describe_self(), producer.label)
+    finally:
+        if producer.closing:
+            producer.gen.close()  # paused at its yield: GeneratorExit runs its finally
+        producer.finish(failure)
+
+
+async def _pump_async(producer: _Producer) -> None:
+    """Run an async generator on credit; cancelled (closed), it stops at its await."""
+    failure = None
+    try:
+        while not producer.closing:
+            if not producer.has_credit():
+                with producer.cond:
+                    credit = producer.credit = new_future()
+                await cast(Awaitable[Any], credit)  # asyncrpc's __await__
+                continue
+            producer.next_item = start_coroutine(_anext(producer.gen), producer.label)
+            producer.put(await cast(Awaitable[Any], producer.next_item))
+    except StopAsyncIteration:
+        pass
+    except asyncio.CancelledError:  # closed: if it waited for credit, close it at its yield
+        await producer.gen.aclose()
+    except Exception as exc:
+        failure = capture(exc, describe_self(), producer.label)
+    producer.finish(failure)
+
+
+async def _anext(gen: Any) -> Any:
+    return await gen.__anext__()
+
+
+def _close(key: int) -> None:
+    """Close a producer the consumer left: its generator's `finally` runs."""
+    with _producers_lock:
+        producer = _producers.pop(key, None)
+    if producer is None:
+        return
+    with producer.cond:
+        producer.closing = True
+        producer.cond.notify()  # a paused pump thread wakes, and closes its generator
+    if inspect.isasyncgen(producer.gen):
+        # Making an item: stop it at its await (its finally runs); paused at its
+        # yield: stop the pump, which closes the generator there.
+        making = producer.next_item
+        target = making if making is not None and not making.done() else producer.pump
+        if target is not None:
+            _torch.cancel(target)
+
+
+def _forget_if_ended(key: int, producer: _Producer, reply: Future[Any]) -> None:
+    if reply.value()[1]:  # the reply that told the consumer it ended
+        with _producers_lock:
+            if _producers.get(key) is producer:
+                del _producers[key]
+
+
+def open_producers() -> int:
+    """How many generators this worker holds open for streams (for tests and checks)."""
+    return len(_producers)
