@@ -22,7 +22,6 @@ Each call is checked as `rpc_async` checks it, before anything is sent.
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -35,7 +34,7 @@ from torch.futures import Future
 from ._core import _calls, _cancel, _torch
 from ._core._errors import BatchNotSentError, CancelledError
 from ._core._execution import Kind, classify, run_python, run_python_async
-from ._core._failures import Failure, hold, label_of
+from ._core._failures import hold, label_of
 from ._core._futures import completed, new_future
 
 __all__ = ["Batch", "run_batch"]
@@ -53,31 +52,14 @@ class _Outbox:
         self.pending: _Pending = {}
         self.sent = False
 
-    def check(self) -> None:
-        """Refuse a read that would wait for a call this Batch has not sent."""
+    def __call__(self) -> None:
+        """Refuse a read that would wait for a call this Batch has not sent (its guard)."""
         if not self.sent:
             raise BatchNotSentError(
                 "this call is in a Batch that has not been sent, so its Future cannot "
                 "complete; read it after the `with asyncrpc.Batch()` block, or call "
                 "batch.send() first"
             )
-
-    def withdraw(
-        self, worker: str, ref: weakref.ref[Future[Any]], call: _calls.Call
-    ) -> bool:
-        """Cancel one call: taken out if not sent yet, else its callee is asked to stop it."""
-        fut = ref()
-        if fut is None:
-            return False
-        if self.sent:
-            return _cancel.request(call.sent)
-        items = self.pending.get(worker, [])
-        self.pending[worker] = [item for item in items if item[1] is not fut]
-        if not fut.done():
-            fut.set_result(Failure(CancelledError(
-                f"the call to {label_of(call.label)} on {worker!r} was cancelled before its "
-                f"Batch was sent", worker)))  # fmt: skip
-        return True
 
     def drop(self) -> None:
         """The Batch was collected: fail what it never sent."""
@@ -128,13 +110,20 @@ class Batch:
         call = _calls.check("Batch.rpc_async", to, func, args, kwargs, self._timeout)
         entry = (call.func, tuple(call.args or ()), dict(call.kwargs or {}), call.sent.key)
         fut = new_future()
-        _torch.tag_future(fut, call.sent)  # a call: named, ends wait_all early, cancellable
+        # A call: named, ends wait_all early, cancellable (before the send it is taken
+        # out of the message; after, its callee is asked to stop it).
+        _torch.tag_future(fut, call.sent)
         with self._lock:
             outbox = self._box[0]
-            _torch.guard_reads(fut, outbox.check)
-            withdraw = functools.partial(outbox.withdraw, call.worker, weakref.ref(fut), call)
-            _torch.set_canceller(fut, withdraw)
+            _torch.guard_reads(fut, outbox)
             outbox.pending.setdefault(call.worker, []).append((entry, fut))
+        unsent = CancelledError(
+            f"the call to {label_of(call.label)} on worker {call.worker!r} was cancelled "
+            "before it started: its Batch had not sent it",
+            call.worker,
+        )
+        canceller = _Canceller(self._box, self._lock, weakref.ref(fut), call, unsent)
+        _torch.set_canceller(fut, canceller)
         return fut
 
     def send(self) -> None:
@@ -187,6 +176,40 @@ class Batch:
             # The outbox lives on in its calls' guards: it must not hold their Futures.
             pending, outbox.pending = outbox.pending, {}
         return pending
+
+
+class _Canceller:
+    """Cancels one Batch call: out of its message if unsent, else at its callee.
+
+    Holds its Future weakly: the Future's canceller must not keep it alive.
+    """
+
+    __slots__ = ("box", "fut", "lock", "sent", "unsent", "worker")
+
+    def __init__(
+        self,
+        box: list[_Outbox],
+        lock: threading.Lock,
+        fut: weakref.ref[Future[Any]],
+        call: _calls.Call,
+        unsent: CancelledError,
+    ) -> None:
+        self.box, self.lock, self.fut, self.unsent = box, lock, fut, unsent
+        self.worker, self.sent = call.worker, call.sent  # not the call: it holds the args
+
+    def __call__(self) -> bool:
+        fut = self.fut()
+        if fut is None or fut.done():
+            return False
+        with self.lock:
+            items = self.box[0].pending.get(self.worker, [])
+            taken = [item for item in items if item[1] is fut]
+            for item in taken:
+                items.remove(item)
+        if not taken:  # sent already: its callee stops it
+            return _cancel.request(self.sent)
+        fut.set_result(hold(self.unsent))
+        return True
 
 
 def _drop(box: list[_Outbox]) -> None:

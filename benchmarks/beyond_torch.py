@@ -62,9 +62,8 @@ async def wait_to_be_cancelled(tag: str) -> None:
 
 
 def items(n: int, size: int) -> Iterator[torch.Tensor]:
-    item = torch.ones(size)
-    for _ in range(n):
-        yield item
+    for i in range(n):
+        yield torch.full((size,), float(i))  # a new tensor each: none is sent twice
 
 
 def counted(tag: str) -> Iterator[int]:
@@ -147,9 +146,8 @@ def ray_ways() -> dict[str, Callable[..., Any]]:
             return self.state.get(key, 0.0)
 
         async def items(self, n: int, size: int) -> AsyncIterator[torch.Tensor]:
-            item = torch.ones(size)
-            for _ in range(n):
-                yield item
+            for i in range(n):
+                yield torch.full((size,), float(i))
 
         async def counted(self, tag: str) -> AsyncIterator[int]:
             for i in range(10_000_000):

@@ -1,4 +1,4 @@
-"""BiLSTM ensemble: serial vs jit.fork vs threads vs spread over 2 workers; transports.
+"""Ensembles: BiLSTM engines and spread over 2 workers; transports; an MLP on "vmap".
 
 One run prints, for the reference size (T=50, B=50, C=1024) and the small one
 (T=50, B=8, C=256): the median time of each way of running the 4 members,
@@ -6,9 +6,11 @@ its speedup over serial, and its efficiency against the GEMM floor (the
 ensemble's FLOPs at the GEMM rate measured in this run, 2048^3 on all
 intra-op threads). Local engines alternate round by round. Then, for
 TensorPipe's default transports and asyncrpc's choice: the CPU each idle
-worker burns and the median round trip of a small and a 10 MB call.
+worker burns and the median round trip of a small and a 10 MB call. Last,
+an MLP ensemble of one architecture at batch 1, 8 and 64: serial, the
+"vmap" engine, auto and the floor (`stacked_mlp.py`, which runs it alone).
 
-    python benchmarks/ensemble.py [--rounds 5] [--sizes small reference]
+    python benchmarks/ensemble.py [--rounds 5] [--sizes small reference] [--mlp-batches 1 8 64]
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ import asyncrpc
 # The example's model, so that the benchmark measures exactly what it runs.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 from bilstm_ensemble import BiLSTM, seeded_members
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import stacked_mlp
 
 SIZES = {"reference": (50, 50, 1024), "small": (50, 8, 256)}
 MEMBERS = 4
@@ -110,7 +115,9 @@ def local_engines(
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     scaling = medians["serial, 1 intra-op thread"] / medians["serial"]
     budget = torch.get_num_threads()
+    declined = asyncrpc.Fanout(members, engine="vmap").declined.get("vmap", "not declined")
     return medians, (
+        f"engine 'vmap' declined: {declined}\n"
         f"auto chose {auto.plan} after {trial} timed calls; serial's own intra-op "
         f"scaling S = {scaling:.2f} on {budget} threads, so {budget} one-thread lanes "
         f"gain at most {budget / scaling:.2f}x over serial"
@@ -266,6 +273,7 @@ def main() -> None:
     parser.add_argument(
         "--transport-calls", type=int, default=2000, help="small round trips per transport round"
     )
+    parser.add_argument("--mlp-batches", type=int, nargs="*", default=[1, 8, 64])
     opts = parser.parse_args()
     rate, kernel = gemm_rate()
     shapes = {size: shape_rate(*SIZES[size]) for size in opts.sizes}
@@ -290,7 +298,8 @@ def main() -> None:
         transports = [row for row in _rows(out) if "label" in row]
     print_engines(results, rate, kernel)
     for size in opts.sizes:
-        print(f"{size}: {notes[size]}")
+        for note in notes[size].splitlines():
+            print(f"{size}: {note}")
         print(
             f"{size}: the LSTM's own GEMM shapes run at {shapes[size]:.0f} GFLOP/s alone, "
             f"{shapes[size] / rate:.0%} of the floor's rate: no way can pass that share"
@@ -298,6 +307,8 @@ def main() -> None:
         print(f"{size}: {where_spread_goes(results[size], transfers[size])}")
     if transports:
         print_transports(transports)
+    if opts.mlp_batches:
+        stacked_mlp.run(opts.mlp_batches, opts.rounds, opts.sample_seconds)
 
 
 def print_engines(results: dict[str, dict[str, float]], rate: float, kernel: str) -> None:

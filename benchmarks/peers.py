@@ -186,10 +186,18 @@ def _start_ray() -> bool:
         configure_logging=False,
     )
     opened = _listeners() - before
-    off = sorted(f"{a}:{p}" for a, p in opened if not a.startswith(("127.", "::1", "::ffff:127.")))
+    off = sorted(f"{a}:{p}" for a, p in opened if not _is_loopback(a))
     where = "all on loopback" if not off else f"{len(off)} off loopback: {off[:4]}"
     print(f"Ray's listening sockets: {len(opened)}, {where}", flush=True)
     return True
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
 def _listeners() -> set[tuple[str, int]]:

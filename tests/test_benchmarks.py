@@ -30,8 +30,11 @@ CASES = {
     ),
     "ensemble": (
         "--rounds 1 --sizes small --transport-rounds 1 --sample-seconds 0.05 "
-        "--transport-calls 200".split(),
+        "--transport-calls 200 --mlp-batches 1".split(),
         [
+            "| 1 | vmap engine |",
+            "| 1 | floor (baddbmm chain) |",
+            "batch 1: auto chose",
             "| small | serial |",
             "| small | threads |",
             "| small | auto |",
@@ -42,7 +45,7 @@ CASES = {
         ],
     ),
     "peers": (
-        ["--calls", "3", "--rounds", "1", "--startups", "1", "--no-ray"],
+        "--calls 3 --rounds 1 --startups 1 --no-ray --beyond-rounds 2 --stream-items 200".split(),
         [
             "small call round trip",
             "1 MiB argument round trip",
@@ -54,6 +57,18 @@ CASES = {
             "start-up, first call and shutdown",
         ],
     ),
+}
+# Rows without a peer when Ray is left out: they must print asyncrpc's figure.
+FIGURES = {
+    "ensemble": ["small: engine 'vmap' declined: member 0 holds an LSTM"],
+    "peers": [
+        "cancel: to the callee's coroutine",
+        "cancel: to the caller's Future failing",
+        "stream of small items (64 B)",
+        "a loop of single calls, for scale",
+        "stream of 1 MiB items",
+        "items made ahead while the consumer stops 1 s",
+    ],
 }
 
 
@@ -68,6 +83,10 @@ def test_benchmark_runs_small_and_prints_its_ratios(name: str) -> None:
         line = next((ln for ln in result.stdout.splitlines() if row in ln), None)
         assert line is not None, f"no {row!r} row in:\n{result.stdout}"
         assert re.search(r"\d+\.\d+x", line), f"no ratio in {line!r}"
+    for row in FIGURES.get(name, []):
+        line = next((ln for ln in result.stdout.splitlines() if row in ln), None)
+        assert line is not None, f"no {row!r} row in:\n{result.stdout}"
+        assert re.search(r"\d", line.replace(row, "")), f"no figure in {line!r}"
 
 
 @pytest.mark.subprocess

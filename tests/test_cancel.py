@@ -19,6 +19,8 @@ from torch.futures import Future
 import asyncrpc
 from asyncrpc._core import _cancel
 
+from conftest import ROOT, run_program
+
 _seen: dict[str, list[str]] = {}  # on each callee: tag -> what happened, in order
 _seen_lock = threading.Lock()
 _alive: weakref.WeakSet[Any] = weakref.WeakSet()  # on each callee: locals of calls
@@ -183,8 +185,8 @@ def test_handles_call_all_batch_and_with_timeout_cancel(world: asyncrpc.Context)
         "worker1", seen, args=("timed",)))  # fmt: skip
     with asyncrpc.Batch() as batch:
         unsent = batch.rpc_async("worker1", mark, args=("batched",))
-        assert unsent.cancel()  # taken out before the send
-    with pytest.raises(asyncrpc.CancelledError, match="before its Batch was sent"):
+        assert unsent.cancel()  # before the send: it never starts on the callee
+    with pytest.raises(asyncrpc.CancelledError, match="before it started"):
         unsent.wait()
     with asyncrpc.Batch() as batch:
         sent = batch.rpc_async("worker1", wait_forever, args=("batch-sent",))
@@ -231,3 +233,15 @@ def test_a_cancelled_calls_spans_end_with_its_cause(
     outcomes = {e["args"]["kind"]: e["args"].get("outcome", "") for e in spans}
     assert outcomes["call"].startswith("cancelled: the call to wait_forever()"), outcomes
     assert outcomes["run"].startswith("cancelled"), outcomes
+
+
+@pytest.mark.subprocess
+def test_the_cancel_example_stops_the_losers_and_the_late() -> None:
+    done = run_program("python", str(ROOT / "examples" / "cancel.py"), timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "first: worker1 found 'k'" in out, out
+    assert out.count("cancelled: the call to search() on worker") == 2, out
+    assert out.count(": cancelled, stopping") == 3, out  # two losers, then the late one
+    assert "deadline: the Future did not complete within 0.3 s" in out, out
+    assert "worker3: scan saw it was cancelled" in out and "scan: cancelled" in out, out

@@ -40,7 +40,7 @@ INSIDE: dict[str, list[str]] = {
         "_calls",
         "_stream",
     ],
-    "_fanout": ["_tuner", "_exit", "_pool", "_fanout"],
+    "_fanout": ["_tuner", "_exit", "_pool", "_stacked", "_fanout"],
     "_trace": ["_timeline", "_render", "_trace"],
     "_launch": ["_liveness", "_supervisor", "_cli"],
 }

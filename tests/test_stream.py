@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import pathlib
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -13,6 +14,8 @@ import torch
 
 import asyncrpc
 from asyncrpc._core import _stream
+
+from conftest import ROOT, run_program
 
 _log: dict[str, list[str]] = {}  # on the producer: tag -> events
 _made: dict[str, int] = {}  # on the producer: tag -> items made so far
@@ -192,3 +195,24 @@ async def consume_async_on(worker: str) -> list[int]:
 def test_streams_consumed_by_remote_functions(world: asyncrpc.Context) -> None:
     assert asyncrpc.rpc_sync("worker1", consume_on, args=("worker2",)) == [0, 1, 2]
     assert asyncrpc.rpc_sync("worker1", consume_async_on, args=("worker2",)) == [0, 1, 2]
+
+
+@pytest.mark.subprocess
+def test_the_stream_example_reads_steps_and_closes_the_generator() -> None:
+    done = run_program("python", str(ROOT / "examples" / "stream_steps.py"), timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[:5]] == [f"step {i}" for i in range(5)]
+    assert lines.count("worker1: generator closed") == 2, done.stdout
+    assert any(line.startswith("6 steps read to the end") for line in lines), done.stdout
+
+
+@pytest.mark.subprocess
+def test_streams_left_open_are_closed_when_the_world_ends(tmp_path: pathlib.Path) -> None:
+    marker = tmp_path / "closed.txt"
+    program = ROOT / "tests" / "programs" / "stream_left_open.py"
+    done = run_program("python", str(program), str(marker), timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worker0 holds 2 open streams" in done.stdout, done.stdout
+    closed = sorted(marker.read_text().splitlines())
+    assert closed == ["async generator closed", "def generator closed"], closed

@@ -242,6 +242,7 @@ def test_import_changes_nothing_and_the_last_shutdown_puts_torch_back(mode: str)
         assert step in result.stdout, result.stdout
     assert "after shutdown: unchanged" in result.stdout, result.stdout
     assert "torch's elastic agent: unpatched" in result.stdout, result.stdout
+    assert "at exit: nothing of asyncrpc runs" in result.stdout, result.stdout
     if mode == "init":
         assert "during: TP_SOCKET_IFNAME=lo" in result.stdout, result.stdout
 

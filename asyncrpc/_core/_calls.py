@@ -48,6 +48,7 @@ __all__ = [
     "call_sync",
     "check",
     "check_timeout",
+    "holding_rpc_thread",
     "remote",
     "rpc_async",
     "rpc_sync",
@@ -269,7 +270,7 @@ def send_remote(call: Call) -> rpc.RRef[Any]:
 
 def call_sync(call: Call) -> Any:
     """`send` and wait for the reply, refusing to block the last free RPC thread."""
-    with _holding_rpc_thread(call.worker, call.label):
+    with holding_rpc_thread(call.worker, call.label):
         return send(call).wait()
 
 
@@ -327,7 +328,7 @@ class _RpcThreads:
 _rpc_threads = _RpcThreads()
 
 
-class _holding_rpc_thread:
+class holding_rpc_thread:
     """Count a blocking wait made on an RPC thread; refuse the one that takes the last."""
 
     def __init__(self, worker: str, label: object) -> None:

@@ -23,6 +23,7 @@ whatever it returns, a cancelled call's reply is a CancelledError.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import threading
@@ -50,6 +51,7 @@ __all__ = [
 ]
 
 TOMBSTONE_S = 120.0  # how long a cancel waits for a call that has not started yet
+_JOIN_S = 3.0  # how long a stopping watcher may take
 _KEY_BITS = 40
 _STOP = "stop"
 _numbers = itertools.count(1)
@@ -133,10 +135,11 @@ def begin(key: int) -> Running | None:
     """Record a call as running; None when it was cancelled before it started."""
     if not _watcher.started:
         watch()
+    state = Running(key)
     with _lock:
         if _tombstones and _tombstones.pop(key, None) is not None:
             return None
-        state = _running[key] = Running(key)
+        _running[key] = state
     return state
 
 
@@ -238,6 +241,9 @@ def watch() -> None:
         )
         _watcher.thread, _watcher.rank, _watcher.store = thread, rank, store
         thread.start()
+        # A thread still inside torch's store when the interpreter finalizes aborts the
+        # process: stop it first, also when torch's own rpc.shutdown() ended the world.
+        atexit.register(stop_watching)
 
 
 def stop_watching() -> None:
@@ -249,11 +255,12 @@ def stop_watching() -> None:
         _tombstones.clear()
     if thread is None:
         return
+    atexit.unregister(stop_watching)
     try:
         _send(store, rank, _STOP)
     except Exception:
-        return  # the store is gone: the watcher's wait fails, and it ends
-    thread.join(5.0)
+        pass  # the store is gone: the watcher's wait fails at once, and it ends
+    thread.join(_JOIN_S)
 
 
 def _watch(store: Any, rank: int) -> None:

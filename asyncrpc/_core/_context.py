@@ -48,6 +48,9 @@ class Settings:
     # Launched worlds: a peer silent this long is taken for dead. A worker that holds
     # the GIL for long (pickling a huge object) beats late: raise it for such programs.
     heartbeat_timeout: float = 3.0
+    # Python's full collections walk every object, torch's import-time hundreds of
+    # thousands included; frozen when the world starts, they are skipped (gc.freeze).
+    freeze_gc: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
@@ -58,6 +61,8 @@ class Settings:
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{field} must be a finite number of seconds > 0, got {value!r}")
+        if not isinstance(self.freeze_gc, bool):
+            raise ValueError(f"freeze_gc must be True or False, got {self.freeze_gc!r}")
         threads = self.intra_op_threads
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"intra_op_threads must be a positive int, got {threads!r}")

@@ -34,6 +34,7 @@ import functools
 import inspect
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
@@ -72,8 +73,23 @@ class Kind(enum.Enum):
     ASYNC = "async"  # async_execution, async def: runs without holding the RPC thread
 
 
+_kinds: weakref.WeakKeyDictionary[Any, Kind] = weakref.WeakKeyDictionary()
+
+
 def classify(func: object) -> Kind:
     """The kind of `func`: every verb, Batch and handle asks this, and only this."""
+    try:
+        return _kinds[func]
+    except (KeyError, TypeError):  # not seen yet, or not weakly referable
+        kind = _classify(func)
+    try:
+        _kinds[func] = kind  # a function's kind does not change: asked once per function
+    except TypeError:
+        pass
+    return kind
+
+
+def _classify(func: object) -> Kind:
     target = _torch.async_target(func)
     if _torch.is_builtin(func) or isinstance(func, torch.jit.ScriptFunction):
         return Kind.TORCH
@@ -339,6 +355,7 @@ class _Task:
     """
 
     __slots__ = (
+        "__weakref__",  # its cancel is held weakly (see _torch.set_canceller)
         "_awaiting",
         "_coro",
         "_done",
@@ -348,7 +365,6 @@ class _Task:
         "_out",
         "_thrown",
         "_waker",
-        "__weakref__",  # its cancel is held weakly (see _torch.set_canceller)
         "state",
     )
 

@@ -30,11 +30,10 @@ from typing import Any, Generic, TypeVar, cast
 
 from torch.futures import Future
 
-from . import _calls, _torch
+from . import _calls, _torch, _world
 from ._execution import start_coroutine
 from ._failures import Failure, capture, check_reply, label_of
 from ._futures import completed, new_future
-from ._world import describe_self
 
 __all__ = ["DEFAULT_WINDOW", "Stream", "check_window", "open_producers", "stream"]
 
@@ -108,7 +107,13 @@ class Stream(Generic[T]):
                 return item  # type: ignore[no-any-return]
             pending = self._pending
             assert pending is not None
-            self._receive(pending, pending.wait())
+            try:
+                with _calls.holding_rpc_thread(self._call.worker, self._call.label):
+                    reply = pending.wait()
+            except BaseException:
+                self._abandon()
+                raise
+            self._receive(pending, reply)
 
     def __aiter__(self) -> AsyncIterator[T]:
         return self
@@ -120,7 +125,12 @@ class Stream(Generic[T]):
                 return item  # type: ignore[no-any-return]
             pending = self._pending
             assert pending is not None
-            self._receive(pending, await cast(Awaitable[Any], pending))  # asyncrpc's __await__
+            try:
+                reply = await cast(Awaitable[Any], pending)  # asyncrpc's __await__
+            except BaseException:
+                self._abandon()
+                raise
+            self._receive(pending, reply)
 
     def close(self) -> None:
         """Close the remote generator (its `finally` runs) and stop pulling."""
@@ -131,6 +141,13 @@ class Stream(Generic[T]):
             self._finalizer()
         else:
             self._finalizer.detach()
+
+    def _abandon(self) -> None:
+        """A pull failed (a timeout, a dead producer): end here, and close the generator."""
+        with self._lock:
+            self._ended, self._pending = True, None
+            self._buffer.clear()
+        self._finalizer()
 
     def __enter__(self) -> Stream[T]:
         return self
@@ -229,6 +246,7 @@ class _Producer:
         self.credit: Future[Any] | None = None  # an async pump waits on it
         self.pump: Future[Any] | None = None  # an async pump's Task
         self.next_item: Future[Any] | None = None  # the item an async pump awaits
+        self.thread: threading.Thread | None = None  # a generator's pump
 
     def pull(self, n: int) -> Future[Any]:
         with self.cond:
@@ -271,6 +289,7 @@ class _Producer:
         return items, self.ended, self.failure if self.ended else None
 
 
+_CLOSE_S = 2.0  # how long the world's end waits for a generator's finally
 _producers: dict[int, _Producer] = {}
 _producers_lock = threading.Lock()
 
@@ -305,15 +324,17 @@ def _open(
                 f"it with rpc_sync"
             )
     except Exception as exc:
-        return capture(exc, describe_self(), func)
+        return capture(exc, _world.describe_self(), func)
     producer = _Producer(gen, func)
     with _producers_lock:
         _producers[key] = producer
+    _world.at_world_end(_close_all)
     if inspect.isasyncgen(gen):
         producer.pump = start_coroutine(_pump_async(producer), func)
     else:
         name = f"asyncrpc-stream-{label_of(func)}"
-        threading.Thread(target=_pump, args=(producer,), name=name, daemon=True).start()
+        producer.thread = threading.Thread(target=_pump, args=(producer,), name=name, daemon=True)
+        producer.thread.start()
     return producer
 
 
@@ -333,7 +354,7 @@ def _pump(producer: _Producer) -> None:
                 break
             producer.put(item)
     except Exception as exc:
-        failure = capture(exc, describe_self(), producer.label)
+        failure = capture(exc, _world.describe_self(), producer.label)
     finally:
         if producer.closing:
             producer.gen.close()  # paused at its yield: GeneratorExit runs its finally
@@ -357,7 +378,7 @@ async def _pump_async(producer: _Producer) -> None:
     except asyncio.CancelledError:  # closed: if it waited for credit, close it at its yield
         await producer.gen.aclose()
     except Exception as exc:
-        failure = capture(exc, describe_self(), producer.label)
+        failure = capture(exc, _world.describe_self(), producer.label)
     producer.finish(failure)
 
 
@@ -381,6 +402,15 @@ def _close(key: int) -> None:
         target = making if making is not None and not making.done() else producer.pump
         if target is not None:
             _torch.cancel(target)
+
+
+def _close_all() -> None:
+    """Close the generators of streams nobody closed (their consumers died), as the world ends."""
+    threads = [p.thread for p in list(_producers.values()) if p.thread is not None]
+    for key in list(_producers):
+        _close(key)
+    for thread in threads:  # the process may exit next: let their finally blocks run
+        thread.join(_CLOSE_S)
 
 
 def _forget_if_ended(key: int, producer: _Producer, reply: Future[Any]) -> None:

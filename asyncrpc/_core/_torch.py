@@ -89,6 +89,7 @@ __all__ = [
     "set_canceller",
     "set_unwrap",
     "tag_future",
+    "tensor_version",
     "uninstall",
     "watch_agent_failures",
     "watch_unread",
@@ -540,9 +541,13 @@ def _early_collect_all(collect: Callable[[list[Any]], Any], hooks: Hooks) -> Cal
             except Exception as exc:
                 settle(hooks.carry(exc))
 
-        # Before torch's own callback: a failed member settles first, named.
+        # Before torch's own callback: a failed member settles first, named. A
+        # member already done is read here, and needs no callback.
         for fut in futures:
-            _future_add_done_callback(fut, functools.partial(on_member, fut))
+            if fut.done():
+                on_member(fut, None)
+            else:
+                _future_add_done_callback(fut, functools.partial(on_member, fut))
         _future_add_done_callback(collect(futures), on_all)
         return early
 
@@ -779,6 +784,11 @@ def quiet_torchscript(show: bool = False) -> Iterator[None]:
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
         warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated", category=Warning)
         yield
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How many times `tensor` was changed in place (an optimizer step bumps it)."""
+    return int(tensor._version)
 
 
 def interop_pool_started() -> bool:

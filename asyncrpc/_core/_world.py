@@ -18,11 +18,12 @@ count and default timeout from the agent's options::
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import socket
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ class World:
     settings: Settings | None = None
     restore: list[tuple[str, str | None]] = dataclasses.field(default_factory=list)
     intra_op_before: int | None = None
+    froze_gc: bool = False  # this world froze the heap (gc.freeze); its shutdown thaws it
     # torch's WorkerInfo per name, filled on first use: handing torch a WorkerInfo
     # spares it a lookup by name on every call.
     infos: dict[str, WorkerInfo] = dataclasses.field(default_factory=dict)
@@ -260,6 +262,9 @@ def start(
                 log_unwaited_failures(settings.log_unwaited_failures)
             _start_agent(world, master_addr)
             _cancel.watch()
+            if settings.freeze_gc and gc.get_freeze_count() == 0:  # a program's own: kept
+                gc.freeze()
+                world.froze_gc = True
         except BaseException:
             _world = None
             _put_back(world)
@@ -317,6 +322,9 @@ def _put_back(world: World) -> None:
     world.restore.clear()
     if world.intra_op_before is not None:
         torch.set_num_threads(world.intra_op_before)
+    if world.froze_gc:
+        gc.unfreeze()
+        world.froze_gc = False
 
 
 def _bind_interface(
@@ -388,6 +396,17 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             if world is not None:
                 _put_back(world)
             _torch.uninstall()
+            for release in list(_at_end):
+                release()
+
+
+_at_end: list[Callable[[], None]] = []
+
+
+def at_world_end(release: Callable[[], None]) -> None:
+    """Have `release()` run whenever this process leaves a world (once per function)."""
+    if release not in _at_end:
+        _at_end.append(release)
 
 
 def _leave(graceful: bool) -> None:

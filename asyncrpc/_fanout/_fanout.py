@@ -3,7 +3,9 @@
 `Fanout` owns the engines and the thread budget; `fanout` is its one-shot form.
 
     caller thread                      plan (engine="auto" times them: _tuner)
-    Fanout(members)(x) ──┬── "threads": a pool of `threads` Python threads,
+    Fanout(members)(x) ──┬── "vmap":    members of one architecture as one
+                         │    batched call over their stacked weights
+                         ├── "threads": a pool of `threads` Python threads,
                          │    each with `intra_op_threads`; torch ops
                          │    release the GIL, so eager modules overlap
                          ├── "fork":    one TorchScript driver forks every
@@ -20,6 +22,7 @@ of the cores), so N members never oversubscribe the machine.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -30,9 +33,11 @@ from torch.futures import Future
 from .._core import _futures, _torch
 from . import _exit
 from ._pool import Pool
+from ._stacked import Declined, Stacked, decline
 from ._tuner import Engine, FanoutPlan, Ticket, Tuner, candidate_plans
 
-_ENGINES = ("auto", "threads", "fork", "serial")
+_ENGINES = ("auto", "vmap", "threads", "fork", "serial")
+_logger = logging.getLogger("asyncrpc")
 
 
 class _ForkDriver(torch.nn.Module):
@@ -53,12 +58,15 @@ class _ForkDriver(torch.nn.Module):
 class Fanout:
     """Run `members` in parallel in this process; results come back in member order.
 
-    `engine` is ``"threads"`` (any eager module or function), ``"fork"``
-    (TorchScript `jit.fork`; members are modules taking one Tensor and returning
-    one), ``"serial"``, or ``"auto"``: the first calls time each candidate
-    `FanoutPlan` (serial on the whole intra-op budget; threads at each inter-op
-    width; fork too when every member is a ScriptModule), alternating call by
-    call, and every later call uses the fastest (`plan`; None until then).
+    `engine` is ``"vmap"`` (modules of one architecture run as one batched
+    call over their stacked weights; members it cannot stack run serially,
+    the reason in `declined`), ``"threads"`` (any eager module or function),
+    ``"fork"`` (TorchScript `jit.fork`; members are modules taking one Tensor
+    and returning one), ``"serial"``, or ``"auto"``: the first calls time each
+    candidate `FanoutPlan` (serial on the whole intra-op budget; vmap when
+    the members can be stacked; threads at each inter-op width; fork too when
+    every member is a ScriptModule), alternating call by call, and every
+    later call uses the fastest (`plan`; None until then).
     `threads` fixes the inter-op width (and so the plan: nothing is timed);
     each lane gets ``budget // threads`` intra-op threads. `names` label the
     members in errors ("raised by <name>") and in traces (default
@@ -70,7 +78,8 @@ class Fanout:
         heads = asyncrpc.Fanout([torch.nn.Linear(8, 2) for _ in range(4)])
         outputs = heads(torch.rand(16, 8))          # 4 tensors, same input
         outputs = heads.map([(x0,), (x1,), (x2,), (x3,)])  # one input each
-        heads.plan    # the plan "auto" settled on, after its timed calls
+        heads.plan      # the plan "auto" settled on, after its timed calls
+        heads.declined  # {"fork": "...why not"}: engines these members cannot use
     """
 
     def __init__(
@@ -89,8 +98,20 @@ class Fanout:
         self.engine: Engine = engine
         self.budget = torch.get_num_threads()
         scripted = all(isinstance(m, torch.jit.ScriptModule) for m in self.members)
+        self.declined: dict[str, str] = {}
+        """Engines these members cannot use, each with the reason (also logged)."""
+        if not scripted and engine in ("auto", "fork"):
+            self.declined["fork"] = "the members are not all TorchScript modules"
+        self._stacked: Stacked | None = None
+        if engine in ("auto", "vmap"):
+            self._stacked = self._stack_members(engine)
         plans = candidate_plans(
-            engine, len(self.members), _check_threads(threads), self.budget, scripted
+            engine,
+            len(self.members),
+            _check_threads(threads),
+            self.budget,
+            scripted,
+            stackable=self._stacked is not None,
         )
         self._tuner = Tuner(plans)
         self._pools: dict[FanoutPlan, Pool] = {}
@@ -100,6 +121,18 @@ class Fanout:
             self._driver = _script_driver(self.members, show_warnings)
         # Members may fork too (a scripted BiLSTM): settle torch's threads at exit.
         _exit.settle_at_exit()
+
+    def _stack_members(self, engine: Engine) -> Stacked | None:
+        reason = decline(self.members)
+        if reason is None:
+            return Stacked(self.members)  # type: ignore[arg-type]  # decline checked Modules
+        self._decline(reason, engine == "vmap")
+        return None
+
+    def _decline(self, reason: str, asked: bool) -> None:
+        self.declined["vmap"] = reason
+        level = logging.WARNING if asked else logging.INFO
+        _logger.log(level, "Fanout: engine 'vmap' declined: %s", reason)
 
     @property
     def plan(self) -> FanoutPlan | None:
@@ -191,13 +224,33 @@ class Fanout:
         self, plan: FanoutPlan, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
     ) -> Future[list[Any]]:
         if plan.engine == "serial":
-            return _settle(lambda: [_call(m, n, a, k) for m, n, (a, k) in self._triples(calls)])
+            return _settle(lambda: self._serial(calls))
+        if plan.engine == "vmap":
+            return _settle(lambda: self._vmap(plan, calls))
         if plan.engine == "fork":
             return _settle(lambda: self._fork(plan, calls))
         pool = self._ensure_pool(plan)
         modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         futs = [pool.submit(_bind(m, n, a, k, modes)) for m, n, (a, k) in self._triples(calls)]
         return _futures.gather(futs)
+
+    def _serial(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        return [_call(m, n, a, k) for m, n, (a, k) in self._triples(calls)]
+
+    def _vmap(
+        self, plan: FanoutPlan, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> list[Any]:
+        stacked = self._stacked
+        if stacked is None:  # declined by an earlier call
+            return self._serial(calls)
+        try:
+            with torch.profiler.record_function(f"vmap of {len(self.members)} members"):
+                return stacked.run(calls, lambda: self._serial(calls))
+        except Declined as declined:
+            self._stacked = None
+            self._decline(str(declined), self.engine == "vmap")
+            self._tuner.drop(plan, FanoutPlan("serial", 1, self.budget))
+            return declined.results if declined.results is not None else self._serial(calls)
 
     def _triples(self, calls: list[Any]) -> Iterator[tuple[Any, str, Any]]:
         return zip(self.members, self.names, calls, strict=True)

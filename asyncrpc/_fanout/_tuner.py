@@ -5,6 +5,8 @@ members at a time (inter-op width), how many intra-op threads each. Which
 plan is fastest depends on the machine and the members, not on a rule:
 
     serial, 2 intra-op threads    one member at a time, each op on both cores
+    vmap, 2 intra-op threads      every member in one batched op (same
+                                  architecture: _stacked), on both cores
     threads x2, 1 intra-op        two members at a time, each op on one core
 
 Lanes of one intra-op thread beat serial by at most ``budget / S``, where S is
@@ -33,8 +35,8 @@ from typing import Literal
 
 _logger = logging.getLogger("asyncrpc")
 
-Engine = Literal["auto", "threads", "fork", "serial"]
-PlanEngine = Literal["threads", "fork", "serial"]
+Engine = Literal["auto", "vmap", "threads", "fork", "serial"]
+PlanEngine = Literal["vmap", "threads", "fork", "serial"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +57,8 @@ class FanoutPlan:
     intra_op_threads: int
 
     def __str__(self) -> str:
-        if self.engine == "serial":
-            return f"serial ({self.intra_op_threads} intra-op)"
+        if self.engine in ("serial", "vmap"):
+            return f"{self.engine} ({self.intra_op_threads} intra-op)"
         return f"{self.engine} x{self.threads} ({self.intra_op_threads} intra-op each)"
 
 
@@ -120,6 +122,19 @@ class Tuner:
             self.chosen = min(timed, key=lambda p: statistics.median(self._samples[p]))
         _logger.info("Fanout chose %s; medians: %s", self.chosen, self._describe())
 
+    def drop(self, plan: FanoutPlan, instead: FanoutPlan) -> None:
+        """Stop offering `plan` (it declined); `instead` when no other plan is left."""
+        with self._lock:
+            self.plans = tuple(p for p in self.plans if p != plan) or (instead,)
+            self._samples.pop(plan, None)
+            self._warm.discard(plan)
+            for left in self.plans:
+                self._samples.setdefault(left, [])
+            if len(self.plans) == 1:
+                self.chosen = self.plans[0]
+            elif self.chosen == plan:
+                self._choose()
+
     def timings(self) -> dict[FanoutPlan, tuple[float, ...]]:
         """Seconds of each plan's timed calls so far."""
         with self._lock:
@@ -145,14 +160,23 @@ class Tuner:
 
 
 def candidate_plans(
-    engine: Engine, members: int, threads: int | None, budget: int, scripted: bool
+    engine: Engine,
+    members: int,
+    threads: int | None,
+    budget: int,
+    scripted: bool,
+    stackable: bool = False,
 ) -> list[FanoutPlan]:
     """The plans an engine may run: one for a fixed engine or width, several for ``"auto"``.
 
     ``threads=`` fixes the inter-op width, so even ``"auto"`` has one plan then:
-    lanes at that width (serial for 1), nothing to time.
+    lanes at that width (serial for 1), nothing to time. ``"vmap"`` runs
+    serially where the members cannot be stacked.
     """
     serial = FanoutPlan("serial", 1, budget)
+    stacked = FanoutPlan("vmap", 1, budget)
+    if engine == "vmap":
+        return [stacked if stackable else serial]
     if engine == "serial" or (members == 1 and engine == "auto"):
         return [serial]
     if engine in ("threads", "fork"):
@@ -166,7 +190,7 @@ def candidate_plans(
         FanoutPlan("threads", w, max(1, budget // w)) for w in _widths(members, budget) if w > 1
     ]
     forked = [FanoutPlan("fork", p.threads, p.intra_op_threads) for p in lanes[-1:]]
-    return [serial, *lanes, *(forked if scripted else [])]
+    return [serial, *([stacked] if stackable else []), *lanes, *(forked if scripted else [])]
 
 
 def _widths(members: int, budget: int) -> list[int]:

@@ -8,6 +8,7 @@ Prints one line per step; exits non-zero at the first difference.
 """
 
 import atexit
+import gc
 import importlib
 import os
 import sys
@@ -30,10 +31,10 @@ def torch_state() -> dict[str, object]:
     }
     state["torch._C._collect_all"] = torch._C._collect_all
     state["rendezvous handlers"] = dict(handlers)
-    state["atexit callbacks"] = atexit._ncallbacks()
     state["warning filters"] = len(warnings.filters)
     state["environment"] = {k: os.environ.get(k) for k in KEYS}
     state["intra-op threads"] = torch.get_num_threads()
+    state["frozen objects"] = gc.get_freeze_count() > 0
     return state
 
 
@@ -48,6 +49,26 @@ def differences(before: dict[str, object], after: dict[str, object]) -> list[str
         elif old != new:
             found.append(f"{key}: {old!r} -> {new!r}")
     return found
+
+
+def asyncrpc_exit_callbacks() -> list[str]:
+    """Run the atexit callbacks now and name those of asyncrpc that ran (there must be none).
+
+    atexit keeps a slot for an unregistered callback, so counting slots cannot tell.
+    """
+    called: list[str] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        code = frame.f_code  # type: ignore[attr-defined]
+        if event == "call" and "asyncrpc" in code.co_filename:
+            called.append(f"{code.co_filename}:{code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.setprofile(None)
+    return called
 
 
 def check(step: str, before: dict[str, object], expect_same: bool = True) -> None:
@@ -84,3 +105,8 @@ if __name__ == "__main__":
 
     assert not getattr(LocalElasticAgent._monitor_workers, "_asyncrpc", False)
     print("torch's elastic agent: unpatched", flush=True)
+    leftovers = asyncrpc_exit_callbacks()
+    if leftovers:
+        print(f"at exit: asyncrpc still registered {leftovers}", flush=True)
+        sys.exit(1)
+    print("at exit: nothing of asyncrpc runs", flush=True)

@@ -1,0 +1,285 @@
+"""The "vmap" engine: members of one architecture as one batched call over stacked weights."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import asyncrpc
+from asyncrpc import FanoutPlan
+
+pytestmark = pytest.mark.timeout(120)
+
+Factory = Callable[[], torch.nn.Module]
+
+
+def mlp() -> torch.nn.Module:
+    """A Linear/activation chain: the engine's own batched GEMMs."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+        torch.nn.Linear(16, 3),
+    )  # fmt: skip
+
+
+class Residual(torch.nn.Module):
+    """Any module: torch.func.vmap over the stacked parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.norm(x + scale * self.linear(x)).relu()
+
+
+class TwoHeads(torch.nn.Module):
+    """Returns a tuple and a dict; holds buffers (BatchNorm, used in eval)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        h = self.body(x)
+        return h, {"logits": self.head(h)}
+
+
+def _members(factory: Factory, n: int = 4) -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    members = [factory() for _ in range(n)]
+    for member in members:
+        for buffer in member.buffers():
+            if buffer.is_floating_point():
+                buffer.uniform_(0.5, 1.5)  # running stats that differ from member to member
+        member.eval()
+    return members
+
+
+def _leaves(out: object) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [leaf for item in out for leaf in _leaves(item)]
+    assert isinstance(out, dict)
+    return [leaf for value in out.values() for leaf in _leaves(value)]
+
+
+def _assert_close(got: list[object], want: list[object]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert type(a) is type(b)
+        for x, y in zip(_leaves(a), _leaves(b), strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+            assert x.requires_grad == y.requires_grad
+
+
+@pytest.mark.parametrize("factory", [mlp, Residual, TwoHeads], ids=["chain", "vmap", "pytree"])
+def test_vmap_gives_the_members_outputs_and_gradients(factory: Factory) -> None:
+    members = _members(factory)
+    x = torch.rand(5, 8, requires_grad=True)
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    assert fan.plan == FanoutPlan("vmap", 1, torch.get_num_threads()) and not fan.declined
+    got, want = fan(x), [m(x) for m in members]
+    _assert_close(got, want)
+
+    def grads(outputs: list[object]) -> list[torch.Tensor]:
+        loss = sum((leaf**2).sum() for out in outputs for leaf in _leaves(out))
+        assert isinstance(loss, torch.Tensor)
+        params = [p for m in members for p in m.parameters()]
+        return list(torch.autograd.grad(loss, [x, *params]))
+
+    for ours, theirs in zip(grads(got), grads(want), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    assert fan.plan is not None and fan.plan.engine == "vmap"  # still stacked, nothing declined
+    with torch.no_grad():
+        _assert_close(fan(x), [m(x) for m in members])
+
+
+def test_map_stacks_each_members_own_input_and_keyword_arguments_reach_all() -> None:
+    for factory in (mlp, Residual):
+        members = _members(factory, 3)
+        inputs = [torch.rand(4, 8) for _ in members]
+        with torch.no_grad():
+            fan = asyncrpc.Fanout(members, engine="vmap")
+            want = [m(x) for m, x in zip(members, inputs, strict=True)]
+            _assert_close(fan.map([(x,) for x in inputs]), want)
+    members = _members(Residual, 3)
+    x = torch.rand(4, 8)
+    with torch.no_grad():
+        fan = asyncrpc.Fanout(members, engine="vmap")
+        _assert_close(fan(x, scale=0.5), [m(x, scale=0.5) for m in members])
+        # inputs of different shapes cannot be stacked: that call runs member by member
+        uneven = [(torch.rand(i + 1, 8),) for i in range(3)]
+        _assert_close(fan.map(uneven), [m(*a) for m, a in zip(members, uneven, strict=True)])
+    assert not fan.declined
+
+
+def test_an_optimizer_step_on_a_member_is_seen_by_the_next_call() -> None:
+    members = _members(mlp, 3)
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(2, 8)
+    with torch.no_grad():
+        before = fan(x)
+    optimizer = torch.optim.SGD(members[1].parameters(), lr=0.5)
+    members[1](x).sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = fan(x)
+        _assert_close(after, [m(x) for m in members])
+    torch.testing.assert_close(after[0], before[0])
+    assert not torch.allclose(after[1], before[1])
+
+
+def test_training_and_eval_mode_follow_the_members() -> None:
+    members = _members(TwoHeads, 3)
+    x = torch.rand(6, 8)
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    with torch.no_grad():
+        _assert_close(fan(x), [m(x) for m in members])  # eval: running stats, stacked
+        for member in members:
+            member.train()
+        copies = [TwoHeads() for _ in members]
+        for copy, member in zip(copies, members, strict=True):
+            copy.load_state_dict(member.state_dict())
+        got = fan(x)  # BatchNorm updates its buffers in training: member by member
+        _assert_close(got, [c.train()(x) for c in copies])
+        for copy, member in zip(copies, members, strict=True):
+            torch.testing.assert_close(copy.body[1].running_mean, member.body[1].running_mean)
+    assert not fan.declined  # only those calls ran unstacked
+
+
+class Branchy(torch.nn.Module):
+    """Data-dependent control flow: vmap cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        return y if y.sum() > 0 else -y
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.k = k  # a setting outside the parameters: members must agree on it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k * self.linear(x)
+
+
+def test_members_vmap_cannot_run_fall_back_with_the_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    members = _members(Branchy, 3)
+    x = torch.rand(2, 8)
+    with caplog.at_level(logging.WARNING, logger="asyncrpc"):
+        fan = asyncrpc.Fanout(members, engine="vmap")
+        with torch.no_grad():
+            _assert_close(fan(x), [m(x) for m in members])  # the very call that found out
+            _assert_close(fan(x), [m(x) for m in members])
+    assert "data-dependent control flow" in fan.declined["vmap"]
+    assert fan.plan == FanoutPlan("serial", 1, torch.get_num_threads())
+    assert "engine 'vmap' declined" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("members", "reason"),
+    [
+        (lambda: [torch.nn.LSTM(4, 4) for _ in range(2)], "2x slower than one by one"),
+        (lambda: [Scaled(1.0), Scaled(2.0)], "member 1's module.k differs"),
+        (lambda: [mlp(), Residual()], "member 1 is a Residual"),
+        (lambda: [torch.nn.Linear(2, 3), torch.nn.Linear(2, 4)], "differs in shape"),
+        (lambda: [torch.nn.ReLU(), torch.nn.ReLU()], "no parameters"),
+        (lambda: [abs, abs], "not an nn.Module"),
+    ],
+    ids=["lstm", "settings", "classes", "shapes", "no-parameters", "functions"],
+)
+def test_members_that_cannot_be_stacked_are_declined_up_front(
+    members: Callable[[], list[Callable[..., object]]], reason: str
+) -> None:
+    fan = asyncrpc.Fanout(members(), engine="vmap")
+    assert reason in fan.declined["vmap"], fan.declined
+    assert fan.plans == (FanoutPlan("serial", 1, torch.get_num_threads()),)
+    auto = asyncrpc.Fanout(members())
+    assert "vmap" in auto.declined
+    assert all(plan.engine != "vmap" for plan in auto.plans)
+
+
+def test_a_different_output_from_the_stacked_call_declines_it() -> None:
+    class Counting(torch.nn.Module):
+        """Stackable by every rule, but its output depends on how often it ran."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+            self.calls = [0]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls[0] += 1
+            return self.linear(x) + self.calls[0]
+
+    shared = [0]
+    members = [Counting() for _ in range(2)]
+    for member in members:
+        member.calls = shared
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    with torch.no_grad():
+        out = fan(torch.ones(1, 2))
+    assert "stacked outputs differ" in fan.declined["vmap"]
+    assert fan.plan is not None and fan.plan.engine == "serial"
+    assert len(out) == 2  # that call's results are the members' own
+
+
+@pytest.fixture
+def two_threads() -> object:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_auto_times_vmap_among_every_plan() -> None:
+    members = _members(mlp, 8)
+    fan = asyncrpc.Fanout(members)
+    assert [plan.engine for plan in fan.plans] == ["serial", "vmap", "threads"]
+    x = torch.rand(1, 8)
+    with torch.no_grad():
+        for _ in range(200):
+            out = fan(x)
+            if fan.plan is not None:
+                break
+        _assert_close(out, [m(x) for m in members])
+    assert fan.plan is not None
+    timings = fan.timings()
+    assert all(len(seconds) >= 3 for seconds in timings.values()), timings
+    assert len(timings) == 3
+
+
+def test_an_ensemble_runs_on_the_vmap_engine() -> None:
+    ensemble = asyncrpc.Ensemble(mlp, 4, engine="vmap", combine="stack", seed=3)
+    x = torch.rand(2, 8)
+    members = []
+    for i in range(4):
+        torch.manual_seed(3 + i)
+        members.append(mlp())
+    with torch.no_grad():
+        torch.testing.assert_close(ensemble(x), torch.stack([m(x) for m in members]))
+
+
+def test_a_chain_given_a_sequence_input_runs_through_vmap() -> None:
+    members = _members(mlp, 3)
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(6, 2, 8)  # (T, B, C): not the rows the batched GEMMs take
+    with torch.no_grad():
+        _assert_close(fan(x), [m(x) for m in members])
+        _assert_close(fan(x[0]), [m(x[0]) for m in members])  # rows again
+    assert not fan.declined
