@@ -14,7 +14,9 @@ by one, and coalesced by `asyncrpc.Batch` into one message); a
 chained hop A -> B -> C written with async functions (Ray: an async actor
 awaiting another actor); a method call on a remote object; and, each in a
 fresh process, a 3-worker world from start to its first call and back to
-exit (asyncrpc.run, mp.spawn + rpc.init_rpc, ray.init + actors). Then what
+exit (asyncrpc.run, mp.spawn + rpc.init_rpc, ray.init + actors), a second
+world in that process (asyncrpc forks it from its warm interpreter), and for
+asyncrpc a restart after a worker is killed (max_restarts). Then what
 torch RPC has no way to do, asyncrpc beside Ray (benchmarks/beyond_torch.py):
 cancelling a call, streaming a generator's items, bounding a stream.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -273,8 +276,29 @@ def _first_call(ctx: asyncrpc.Context) -> None:
         print(f"FIRST {time.time()}", flush=True)
 
 
+def _killed_once(ctx: asyncrpc.Context) -> None:
+    """Attempt 0: worker1 is killed after the first call; attempt 1 stamps its first call."""
+    if ctx.attempt == 0:
+        if ctx.rank == 0:
+            asyncrpc.rpc_sync("worker1", echo, args=(1,))
+            asyncrpc.rpc_sync("worker1", _die)
+        time.sleep(60)  # until the supervisor stops this world
+    elif ctx.rank == 0:
+        asyncrpc.rpc_sync("worker1", echo, args=(1,))
+        print(f"RESTART_FIRST {time.time()}", flush=True)
+
+
+def _die() -> None:
+    print(f"KILLED {time.time()}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _probe_asyncrpc() -> None:
     asyncrpc.run(_first_call, 3)
+    print(f"END {time.time()}", flush=True)
+    print(f"WARM_START {time.time()}", flush=True)
+    asyncrpc.run(_first_call, 3)  # a second world: forked from the warm interpreter
+    asyncrpc.run(_killed_once, 3, max_restarts=1)
 
 
 def _torch_worker(rank: int, port: int) -> None:
@@ -288,6 +312,13 @@ def _torch_worker(rank: int, port: int) -> None:
 
 
 def _probe_torch() -> None:
+    _torch_world()
+    print(f"END {time.time()}", flush=True)
+    print(f"WARM_START {time.time()}", flush=True)
+    _torch_world()  # torch has no warm start: mp.spawn again
+
+
+def _torch_world() -> None:
     import socket
 
     import torch.multiprocessing as mp
@@ -306,6 +337,13 @@ def _probe_ray() -> None:
     ways["method call on a remote object"]["ray"]()
     print(f"FIRST {time.time()}", flush=True)
     ray.shutdown()
+    print(f"END {time.time()}", flush=True)
+    print(f"WARM_START {time.time()}", flush=True)
+    _start_ray()
+    ways = _ray_ways(torch.ones(16), torch.ones(16))
+    ways["method call on a remote object"]["ray"]()
+    print(f"FIRST {time.time()}", flush=True)
+    ray.shutdown()
 
 
 _PROBES = {"asyncrpc": _probe_asyncrpc, "torch": _probe_torch, "ray": _probe_ray}
@@ -315,6 +353,8 @@ def _time_startups(ways: list[str], rounds: int) -> dict[str, dict[str, float]]:
     """Seconds from the start call to the first call, and to the end, per way (medians)."""
     first: dict[str, list[float]] = {w: [] for w in ways}
     total: dict[str, list[float]] = {w: [] for w in ways}
+    warm: dict[str, list[float]] = {w: [] for w in ways}
+    restart: list[float] = []
     for r in range(rounds):
         for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
             done = subprocess.run(
@@ -323,19 +363,30 @@ def _time_startups(ways: list[str], rounds: int) -> dict[str, dict[str, float]]:
             )  # fmt: skip
             if done.returncode != 0:
                 sys.exit(f"the {way} start-up probe failed:\n{done.stderr[-3000:]}")
-            out = done.stdout
-            stamps = dict(s for s in map(_stamp, out.splitlines()) if s is not None)
-            first[way].append(stamps["FIRST"] - stamps["START"])
-            total[way].append(stamps["END"] - stamps["START"])
-    return {
+            stamps = [s for s in map(_stamp, done.stdout.splitlines()) if s is not None]
+            at = dict(stamps[:3])  # START, FIRST, END of the first world: a cold start
+            later = dict(stamps[3:])  # WARM_START, the second FIRST, KILLED, RESTART_FIRST
+            first[way].append(at["FIRST"] - at["START"])
+            total[way].append(at["END"] - at["START"])
+            warm[way].append(later["FIRST"] - later["WARM_START"])
+            if "RESTART_FIRST" in later:
+                restart.append(later["RESTART_FIRST"] - later["KILLED"])
+    rows = {
         "world start-up to first call": {w: statistics.median(first[w]) for w in ways},
         "start-up, first call and shutdown": {w: statistics.median(total[w]) for w in ways},
+        "second world, same process, first call": {w: statistics.median(warm[w]) for w in ways},
     }
+    if restart:
+        rows["restart after a kill, to first call"] = {"asyncrpc": statistics.median(restart)}
+    return rows
+
+
+_STAMPS = ("START", "FIRST", "END", "WARM_START", "KILLED", "RESTART_FIRST")
 
 
 def _stamp(line: str) -> tuple[str, float] | None:
     words = line.split()
-    if len(words) == 2 and words[0] in ("START", "FIRST", "END"):
+    if len(words) == 2 and words[0] in _STAMPS:
         return words[0], float(words[1])
     return None
 
@@ -352,7 +403,7 @@ def _report(results: dict[str, dict[str, float]]) -> None:
             s = ways.get(way)
             cells.append("-" if s is None else f"{_IN_FLIGHT / s:.0f}/s" if rate else _seconds(s))
         ours = ways["asyncrpc"]
-        vs_torch = f"{ours / ways['torch']:.2f}x"
+        vs_torch = f"{ours / ways['torch']:.2f}x" if "torch" in ways else "-"
         vs_ray = f"{ways['ray'] / ours:.1f}x" if "ray" in ways else "-"
         print(f"{row:<40}{cells[0]:>12}{cells[1]:>12}{cells[2]:>12}{vs_torch:>10}{vs_ray:>10}")
     print("vs torch: asyncrpc's time / torch's (<= 1 is as fast); Ray/ours: Ray's time / "
@@ -386,8 +437,7 @@ def _has_ray() -> bool:
 
 def _probe(way: str) -> None:
     print(f"START {time.time()}", flush=True)
-    _PROBES[way]()
-    print(f"END {time.time()}", flush=True)
+    _PROBES[way]()  # prints FIRST, END, then the second world's stamps
 
 
 def _run(opts: argparse.Namespace) -> None:

@@ -55,6 +55,7 @@ CASES = {
             "method call on a remote object",
             "world start-up to first call",
             "start-up, first call and shutdown",
+            "second world, same process, first call",
         ],
     ),
 }
@@ -62,6 +63,7 @@ CASES = {
 FIGURES = {
     "ensemble": ["small: engine 'vmap' declined: member 0 holds an LSTM"],
     "peers": [
+        "restart after a kill, to first call",
         "cancel: to the callee's coroutine",
         "cancel: to the caller's Future failing",
         "stream of small items (64 B)",

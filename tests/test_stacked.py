@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 
 import asyncrpc
 from asyncrpc import FanoutPlan
+
+from conftest import ROOT, run_program
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -283,3 +286,13 @@ def test_a_chain_given_a_sequence_input_runs_through_vmap() -> None:
         _assert_close(fan(x), [m(x) for m in members])
         _assert_close(fan(x[0]), [m(x[0]) for m in members])  # rows again
     assert not fan.declined
+
+
+@pytest.mark.subprocess
+def test_the_q_ensemble_example_checks_itself() -> None:
+    done = run_program("python", str(ROOT / "examples" / "q_ensemble.py"), timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "plan: vmap (" in done.stdout, done.stdout
+    assert "8 outputs equal to the members' own: True" in done.stdout, done.stdout
+    assert "stacked call sees it: True" in done.stdout, done.stdout
+    assert re.search(r"one by one \d+ us, vmap engine \d+ us per call", done.stdout)

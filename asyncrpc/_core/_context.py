@@ -51,6 +51,10 @@ class Settings:
     # Python's full collections walk every object, torch's import-time hundreds of
     # thousands included; frozen when the world starts, they are skipped (gc.freeze).
     freeze_gc: bool = True
+    # Embedded worlds (asyncrpc.run without a launcher): "forkserver" forks workers
+    # from a warm interpreter that has imported torch, asyncrpc and the script once;
+    # "spawn" starts each from a cold one (every worker imports torch itself).
+    start_method: str = "forkserver"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
@@ -61,6 +65,10 @@ class Settings:
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{field} must be a finite number of seconds > 0, got {value!r}")
+        if self.start_method not in ("forkserver", "spawn"):
+            raise ValueError(
+                f"start_method must be 'forkserver' or 'spawn', got {self.start_method!r}"
+            )
         if not isinstance(self.freeze_gc, bool):
             raise ValueError(f"freeze_gc must be True or False, got {self.freeze_gc!r}")
         threads = self.intra_op_threads

@@ -30,6 +30,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -94,7 +95,10 @@ def run(
             "under a launcher it takes the launcher's"
         )
     for attempt in range(max_restarts + 1):
-        failure = _run_embedded(main, args, size, roles, settings, attempt)
+        # Survivors get a grace period to report their own failure, unless the
+        # world is about to start again: then they are stopped at once.
+        grace = _GRACE_S if attempt == max_restarts else 0.0
+        failure = _run_embedded(main, args, size, roles, settings, attempt, grace)
         if failure is None:
             return
         if attempt == max_restarts:
@@ -163,6 +167,7 @@ def _run_embedded(
     roles: Mapping[str, int] | None,
     settings: _context.Settings,
     attempt: int,
+    grace: float,
 ) -> WorkerFailedError | None:
     host = "127.0.0.1"
     # Pickled here, loaded in the worker's own try: a worker that cannot load them
@@ -170,22 +175,74 @@ def _run_embedded(
     payload = _pickled_main(main, args)
     store = _rendezvous.host_store(host, 0, settings.init_timeout)
     names = _context.names_for(world_size, roles)
-    spawner = multiprocessing.get_context("spawn")
+    spawner = _spawner(settings.start_method)
     procs: list[BaseProcess] = []
     errors: list[multiprocessing.connection.Connection] = []
+    outputs = _caller_output() if settings.start_method == "forkserver" else (None, None)
     try:
         for rank in range(world_size):
             reader, writer = spawner.Pipe(duplex=False)
-            spec = (rank, world_size, names[rank], host, store.port, settings, roles, attempt)
+            spec = (rank, world_size, names[rank], host, store.port, settings, roles, attempt,
+                    dict(os.environ), outputs)  # fmt: skip
             proc = spawner.Process(target=_worker, args=(payload, spec, writer), name=names[rank])
             proc.start()
             writer.close()
             procs.append(proc)
             errors.append(reader)
-        return _supervise(procs, errors, names)
+        _close_outputs(outputs)  # every worker has its own copy by now
+        return _supervise(procs, errors, names, grace)
     except BaseException:
+        _close_outputs(outputs)
         _stop(procs)
         raise
+
+
+# What the warm interpreter imports once, before it forks any worker. Not the script:
+# a script that runs torch ops when imported would start OpenMP's thread pool in the
+# warm interpreter, and workers forked from it hang at their first parallel op.
+_PRELOAD = ["torch", "torch.distributed.rpc", "asyncrpc"]
+
+
+def _spawner(method: str) -> Any:
+    """multiprocessing's context for `method`; a forkserver's preloads `_PRELOAD`.
+
+    The forkserver is one per process: the first world starts it, later
+    worlds and restarts fork from it at once.
+    """
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+def _caller_output() -> tuple[Connection | None, ...]:
+    """The caller's stdout and stderr, as objects multiprocessing hands to a worker.
+
+    A worker forked from the warm interpreter has that interpreter's output;
+    given these, it writes where the caller writes now, sharing the file's
+    offset as a spawned worker would (a Connection is passed as its file).
+    """
+    outputs: list[Connection | None] = []
+    for fd in (1, 2):
+        try:
+            outputs.append(Connection(os.dup(fd), readable=False))
+        except OSError:  # closed: the worker keeps what it has
+            outputs.append(None)
+    return tuple(outputs)
+
+
+def _close_outputs(outputs: tuple[Connection | None, ...]) -> None:
+    for output in outputs:
+        if output is not None and not output.closed:
+            output.close()
+
+
+def _write_to(outputs: tuple[Connection | None, ...]) -> None:
+    for fd, stream, output in zip((1, 2), (sys.stdout, sys.stderr), outputs, strict=True):
+        if output is not None:
+            stream.flush()
+            os.dup2(output.fileno(), fd)
+            output.close()
 
 
 def _pickled_main(main: Callable[..., object], args: tuple[Any, ...]) -> bytes:
@@ -215,7 +272,12 @@ def _load_main(payload: bytes) -> tuple[Callable[..., object], tuple[Any, ...]]:
 def _worker(
     payload: bytes, spec: tuple[Any, ...], errors: multiprocessing.connection.Connection
 ) -> None:
-    rank, world_size, name, host, port, settings, roles, attempt = spec
+    rank, world_size, name, host, port, settings, roles, attempt, environ, outputs = spec
+    # Forked from the warm interpreter, a worker has that interpreter's environment and
+    # output: take the caller's as they are now, as a spawned worker would.
+    os.environ.clear()
+    os.environ.update(environ)
+    _write_to(outputs)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -255,6 +317,7 @@ def _supervise(
     procs: list[BaseProcess],
     errors: list[multiprocessing.connection.Connection],
     names: tuple[str, ...],
+    grace: float,
 ) -> WorkerFailedError | None:
     running: dict[object, int] = {proc.sentinel: rank for rank, proc in enumerate(procs)}
     failures: list[WorkerFailedError] = []
@@ -268,7 +331,7 @@ def _supervise(
             if procs[rank].exitcode != 0:
                 failures.append(_failure(rank, names[rank], procs[rank], errors[rank]))
         if failures and deadline is None:
-            deadline = time.monotonic() + _GRACE_S
+            deadline = time.monotonic() + grace
         if deadline is not None and time.monotonic() >= deadline and running:
             _stop([procs[r] for r in running.values()])
             running.clear()

@@ -1,0 +1,68 @@
+"""Embedded worlds fork their workers from a warm interpreter (multiprocessing's forkserver)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import asyncrpc
+
+from conftest import ROOT, run_program
+
+LINE = re.compile(
+    r"(?P<world>\w+) (?P<name>worker\d) parent=(?P<parent>\d+) warm=(?P<warm>\w+) "
+    r"intra=(?P<intra>\d+) interop=(?P<interop>\d+) env=(?P<env>\w+)"
+)
+
+
+PROGRAM = ROOT / "tests" / "programs" / "warm_start.py"
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_workers_fork_from_one_warm_interpreter_with_working_threads() -> None:
+    done = run_program("python", str(PROGRAM), timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [m.groupdict() for m in map(LINE.match, done.stdout.splitlines()) if m]
+    caller = re.search(r"caller=(\d+)", done.stdout)
+    assert caller is not None and len(rows) == 6, done.stdout
+    worlds = {w: [r for r in rows if r["world"] == w] for w in ("first", "second", "third")}
+    assert all(len(found) == 2 for found in worlds.values()), done.stdout
+    warm = worlds["first"] + worlds["second"]
+    # One warm interpreter, not the caller, is the parent of every forked worker,
+    # across worlds; it had imported torch and the script before any of them.
+    assert len({r["parent"] for r in warm}) == 1, warm
+    assert warm[0]["parent"] != caller.group(1)
+    assert all(r["warm"] == "True" for r in warm), warm
+    # A spawned worker is the caller's child and imports torch itself.
+    assert {r["parent"] for r in worlds["third"]} == {caller.group(1)}
+    assert all(r["warm"] == "False" for r in worlds["third"]), worlds["third"]
+    # Threads work in forked workers; each world sees the caller's environment of its time.
+    assert all(r["intra"] == "2" and int(r["interop"]) >= 1 for r in rows), rows
+    assert all(r["env"] == r["world"] for r in rows), rows
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_forked_workers_write_where_the_caller_writes_now(tmp_path: Path) -> None:
+    """The caller moves its stdout to a file between worlds, after the warm
+    interpreter started: the next worlds' workers write into that file, and
+    share its offset with the caller (nothing overwritten), as with spawn."""
+    moved = tmp_path / "moved.txt"
+    done = run_program("python", str(PROGRAM), str(moved), timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = [m["world"] for m in map(LINE.match, done.stdout.splitlines()) if m]
+    after = moved.read_text().splitlines()
+    assert before == ["first", "first"], done.stdout
+    assert sorted(m["world"] for m in map(LINE.match, after) if m) == [
+        "second", "second", "third", "third"
+    ], after  # fmt: skip
+    assert after[-1].startswith("caller="), after
+
+
+def test_start_method_is_checked() -> None:
+    expected = "start_method must be 'forkserver' or 'spawn', got 'fork'"
+    with pytest.raises(ValueError, match=expected):
+        asyncrpc.run(print, world_size=1, start_method="fork")
