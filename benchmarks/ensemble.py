@@ -36,6 +36,7 @@ from bilstm_ensemble import BiLSTM, seeded_members
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import stacked_mlp
+import timing
 
 SIZES = {"reference": (50, 50, 1024), "small": (50, 8, 256)}
 MEMBERS = 4
@@ -73,13 +74,7 @@ def shape_rate(t: int, b: int, c: int) -> float:
 
 def _gflops(fn: Callable[[], object], flops: float) -> float:
     fn()
-    return flops / min(_seconds(fn) for _ in range(5)) / 1e9
-
-
-def _seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    return flops / min(timing.seconds(fn) for _ in range(5)) / 1e9
 
 
 def local_engines(
@@ -108,10 +103,10 @@ def local_engines(
             trial += 1
         for name, way in ways.items():
             assert torch.allclose(way(), reference, atol=1e-4), name  # type: ignore[arg-type]
-        repeat = _repeats(ways["serial"], sample)
+        repeat = timing.repeats(ways["serial"], sample)
         for _ in range(rounds):
             for name, way in ways.items():
-                times[name].append(_mean_seconds(way, repeat))
+                times[name].append(timing.mean_seconds(way, repeat))
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     scaling = medians["serial, 1 intra-op thread"] / medians["serial"]
     budget = torch.get_num_threads()
@@ -122,18 +117,6 @@ def local_engines(
         f"scaling S = {scaling:.2f} on {budget} threads, so {budget} one-thread lanes "
         f"gain at most {budget / scaling:.2f}x over serial"
     )
-
-
-def _mean_seconds(way: Callable[[], object], repeat: int) -> float:
-    start = time.perf_counter()
-    for _ in range(repeat):
-        way()
-    return (time.perf_counter() - start) / repeat
-
-
-def _repeats(way: Callable[[], object], seconds: float) -> int:
-    """Calls per timed sample, so that a sample of a small ensemble lasts about `seconds`."""
-    return max(1, round(seconds / _seconds(way)))
 
 
 def _summed(fan: asyncrpc.Fanout, x: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -168,15 +151,15 @@ def spread(ctx: asyncrpc.Context, sizes: list[str], rounds: int, sample: float, 
             ens(x)
             _compute_on(workers, size, halves)
             whole = _spread_call(ens, x)
-            repeat = _repeats(whole, sample)
+            repeat = timing.repeats(whole, sample)
             moved = _transfer(workers, x)
             times, compute, transfer = [], [], []
             for _ in range(rounds):  # alternated: whole call, compute alone, transfer alone
-                times.append(_mean_seconds(whole, repeat))
+                times.append(timing.mean_seconds(whole, repeat))
                 compute.append(
                     sum(_compute_on(workers, size, halves) for _ in range(repeat)) / repeat
                 )
-                transfer.append(_mean_seconds(moved, repeat))
+                transfer.append(timing.mean_seconds(moved, repeat))
         row = {"size": size, "seconds": statistics.median(times)}
         row["transfer"] = statistics.median(transfer)
         _append(out, {**row, "compute": statistics.median(compute)})
@@ -220,7 +203,7 @@ def compute_seconds(size: str, indices: list[int]) -> float:
         _held[key] = asyncrpc.Fanout(seeded_members(c, indices)), torch.rand(t, b, c)
     fan, x = _held[key]
     with torch.no_grad():
-        return _seconds(_summed(fan, x))
+        return timing.seconds(_summed(fan, x))
 
 
 def _append(path: str, row: dict[str, object]) -> None:
@@ -244,7 +227,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _round_trip(x: torch.Tensor, n: int) -> float:
-    times = [_seconds(lambda: rpc.rpc_sync("worker1", echo, args=(x,))) for _ in range(n)]
+    times = [timing.seconds(lambda: rpc.rpc_sync("worker1", echo, args=(x,))) for _ in range(n)]
     return statistics.median(times)
 
 

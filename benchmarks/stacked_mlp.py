@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
+import timing
 import torch
 
 import asyncrpc
@@ -93,10 +93,10 @@ def measure(batch: int, rounds: int, sample: float) -> tuple[dict[str, float], s
             out = way()
             got = out if isinstance(out, torch.Tensor) else torch.stack(list(out))  # type: ignore[call-overload]
             assert torch.allclose(got, reference, atol=1e-4), name
-        repeat = max(1, round(sample / _seconds(ways["serial"])))
+        repeat = timing.repeats(ways["serial"], sample)
         for _ in range(rounds):
             for name, way in ways.items():
-                times[name].append(_mean_seconds(way, repeat))
+                times[name].append(timing.mean_seconds(way, repeat))
     return {
         n: statistics.median(t) for n, t in times.items()
     }, f"auto chose {auto.plan} after {trial} timed calls"
@@ -104,19 +104,6 @@ def measure(batch: int, rounds: int, sample: float) -> tuple[dict[str, float], s
 
 def _call(fan: asyncrpc.Fanout, x: torch.Tensor) -> Callable[[], object]:
     return lambda: fan(x)
-
-
-def _seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _mean_seconds(way: Callable[[], object], repeat: int) -> float:
-    start = time.perf_counter()
-    for _ in range(repeat):
-        way()
-    return (time.perf_counter() - start) / repeat
 
 
 def print_rows(results: dict[int, dict[str, float]], notes: dict[int, str]) -> None:

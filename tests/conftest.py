@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 import asyncrpc
 
@@ -34,6 +35,15 @@ def free_port() -> int:
 def _serve(rank: int, port: int) -> None:
     asyncrpc.init(rank=rank, world_size=WORLD_SIZE, master_port=port, rpc_timeout=30)
     asyncrpc.shutdown()  # graceful: serves calls until worker0 shuts down too
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """An intra-op budget of 2 whatever this machine has, so "auto" has plans to time."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

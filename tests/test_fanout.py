@@ -6,7 +6,6 @@ import statistics
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -117,15 +116,6 @@ def test_thread_engine_keeps_the_thread_budget_and_grad_mode() -> None:
     probe.start()
     probe.join()
     assert later == [budget]
-
-
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    """An intra-op budget of 2 whatever this machine has, so "auto" has plans to time."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.usefixtures("two_threads")

@@ -241,14 +241,6 @@ def test_a_different_output_from_the_stacked_call_declines_it() -> None:
     assert len(out) == 2  # that call's results are the members' own
 
 
-@pytest.fixture
-def two_threads() -> object:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.usefixtures("two_threads")
 def test_auto_times_vmap_among_every_plan() -> None:
     members = _members(mlp, 8)
