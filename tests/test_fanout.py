@@ -192,6 +192,14 @@ def test_fork_engine_hides_torchscript_warnings_unless_asked() -> None:
     assert [w for w in loud if "deprecated" in str(w.message)]
 
 
+def test_declined_names_only_the_engines_left_out() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        forked = asyncrpc.Fanout(_scales(2), engine="fork")  # scripts its eager members
+    assert forked.plans[0].engine == "fork" and "fork" not in forked.declined
+    assert "fork" in asyncrpc.Fanout(_scales(2)).declined  # auto times fork for scripts only
+
+
 def test_fanout_function_is_a_one_shot_fanout() -> None:
     def add(x: int, *, y: int) -> int:
         return x + y

@@ -138,6 +138,20 @@ def test_an_optimizer_step_on_a_member_is_seen_by_the_next_call() -> None:
     assert not torch.allclose(after[1], before[1])
 
 
+def test_a_replaced_parameter_or_new_data_is_seen_by_the_next_call() -> None:
+    members = _members(mlp, 3)
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(2, 8)
+    with torch.no_grad():
+        fan(x)
+        first = members[1][0]
+        first.weight = torch.nn.Parameter(torch.zeros_like(first.weight))  # another object
+        _assert_close(fan(x), [m(x) for m in members])
+        members[2][2].weight.data = torch.ones_like(members[2][2].weight)  # other data
+        _assert_close(fan(x), [m(x) for m in members])
+    assert not fan.declined
+
+
 def test_training_and_eval_mode_follow_the_members() -> None:
     members = _members(TwoHeads, 3)
     x = torch.rand(6, 8)

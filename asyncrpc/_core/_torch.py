@@ -89,6 +89,7 @@ __all__ = [
     "set_canceller",
     "set_unwrap",
     "tag_future",
+    "tensor_tables",
     "tensor_version",
     "uninstall",
     "watch_agent_failures",
@@ -784,6 +785,15 @@ def quiet_torchscript(show: bool = False) -> Iterator[None]:
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
         warnings.filterwarnings("ignore", message=r".*torch\.jit.*deprecated", category=Warning)
         yield
+
+
+def tensor_tables(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tables a module's own parameters and buffers live in (name -> tensor or None).
+
+    Assigning a parameter (`layer.weight = ...`) replaces its entry in the same
+    table, so reading the tables sees what the module holds now.
+    """
+    return module._parameters, module._buffers
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

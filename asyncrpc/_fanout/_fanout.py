@@ -100,7 +100,7 @@ class Fanout:
         scripted = all(isinstance(m, torch.jit.ScriptModule) for m in self.members)
         self.declined: dict[str, str] = {}
         """Engines these members cannot use, each with the reason (also logged)."""
-        if not scripted and engine in ("auto", "fork"):
+        if not scripted and engine == "auto":  # engine="fork" scripts them instead
             self.declined["fork"] = "the members are not all TorchScript modules"
         self._stacked: Stacked | None = None
         if engine in ("auto", "vmap"):

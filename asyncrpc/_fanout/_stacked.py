@@ -9,7 +9,7 @@ members, small batches, few cores)::
                           settings, parameters to stack, no RNN kernels
     call(x)
       weights ── torch.stack of each parameter and buffer over the members;
-                 kept while no member's tensors changed (their versions), so
+                 kept while no member's tensors changed (objects, versions, data), so
                  an optimizer step on a member is seen by the next call
         ├─ nn.Sequential of Linear and element-wise layers:
         │    one torch.baddbmm per Linear over every member at once
@@ -110,8 +110,10 @@ def _check_same(first: torch.nn.Module, member: torch.nn.Module, i: int) -> None
         other = theirs[name]
         if type(sub) is not type(other):
             raise Declined(f"member {i}'s layer {name!r} is a {type(other).__name__}")
-        for kind in ("_parameters", "_buffers"):
-            _check_tensors(getattr(sub, kind), getattr(other, kind), f"{name}", i)
+        for ours_table, theirs_table in zip(
+            _torch.tensor_tables(sub), _torch.tensor_tables(other), strict=True
+        ):
+            _check_tensors(ours_table, theirs_table, name, i)
         _check_settings(sub, other, name, i)
 
 
@@ -174,9 +176,8 @@ class Stacked:
         )
         self.template = copy.deepcopy(members[0]).to("meta")  # the code, not the weights
         self.subs = [list(m.modules()) for m in members]
-        self.tensors = [
-            list(m.parameters()) + [b for b in m.buffers() if b is not None] for m in members
-        ]
+        # Where each member holds its tensors, read on every call: what it holds now.
+        self.slots = [_slots(m) for m in members]
         self.checked = False
         # (key, weights): one attribute, so a thread never pairs a key with other weights
         self._cache: tuple[tuple[Any, ...], Weights] | None = None
@@ -219,13 +220,17 @@ class Stacked:
         return self._run_vmap(params, buffers, args, kwargs, dims)
 
     def _weights(self, training: bool) -> Weights:
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in self.tensors[0])
+        held = [table[name] for slots in self.slots for table, name in slots]
+        tensors = [t for t in held if t is not None]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if grad:  # stacked inside the graph, so gradients reach every member's tensors
             return self._stacked()
+        # A tensor replaced (another object), changed in place (its version) or given
+        # other data (`.data = ...`, `.to(...)`: its data pointer) is stacked again.
         key = (
             training,
             torch.is_inference_mode_enabled(),
-            tuple((id(t), _torch.tensor_version(t)) for ts in self.tensors for t in ts),
+            tuple((id(t), _torch.tensor_version(t), t.data_ptr()) for t in tensors),
         )
         cache = self._cache
         if cache is None or cache[0] != key:
@@ -279,6 +284,16 @@ class Stacked:
         params = {k: v.transpose(1, 2) if k in flip else v for k, v in params.items()}
         vmapped = torch.func.vmap(one, in_dims=(0, 0, *dims), randomness="different")
         return _split(vmapped(params, buffers, *args), self.count)
+
+
+def _slots(member: torch.nn.Module) -> list[tuple[dict[str, Any], str]]:
+    """Each parameter and buffer of `member`: (the table it is held in, its name)."""
+    return [
+        (table, name)
+        for sub in member.modules()
+        for table in _torch.tensor_tables(sub)
+        for name in table
+    ]
 
 
 class _Unstackable(Exception):
