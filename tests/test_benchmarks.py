@@ -6,6 +6,7 @@ the benchmarks print ratios measured side by side, and the README quotes them.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -42,6 +43,16 @@ CASES = {
             "| small | spread, members' compute only |",
             "small: spread over 2 workers",
             "small: auto chose",
+        ],
+    ),
+    "small_call": (
+        ["--calls", "20", "--rounds", "1"],
+        [
+            "thread states kept (default)",
+            "thread states not kept",
+            "switch interval 0.1 ms",
+            "switch interval 50 ms",
+            "4 RPC threads",
         ],
     ),
     "peers": (
@@ -108,3 +119,29 @@ def test_the_small_call_profile_splits_each_workers_cpu_by_thread(tmp_path: Path
         assert re.search(r": \d+ us of CPU per call \([1-9]\d* samples\)", line), line
     assert result.stdout.count("by thread: ") == 2, result.stdout
     assert "TensorPipe loop" in result.stdout, result.stdout
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_the_small_call_count_shows_thread_states_kept(tmp_path: Path) -> None:
+    if shutil.which("perf") is None or os.geteuid() != 0:
+        pytest.skip("counting with uprobes needs Linux perf and root")
+    script = ROOT / "benchmarks" / "profile_small_call.py"
+    result = run_program(
+        "python", str(script), "--count", "--calls", "50", "--out", str(tmp_path), timeout=110
+    )
+    if "could not add a uprobe" in result.stderr:
+        pytest.skip(f"uprobes unavailable here: {result.stderr[-300:]}")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    made = {}
+    for line in result.stdout.splitlines():
+        found = re.match(
+            r"(thread states (?:not )?kept)\s+(.+?)\s+thread states made\s+([\d.]+)", line
+        )
+        if found:
+            made[found[1], found[2].strip()] = float(found[3])
+    assert len(made) == 6, result.stdout
+    python_call = "torch, Python function"
+    # torch's pool makes states per call; kept, only TensorPipe's loop still does
+    assert made["thread states not kept", python_call] >= 4, result.stdout
+    assert made["thread states kept", python_call] <= 2.5, result.stdout

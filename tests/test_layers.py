@@ -35,6 +35,7 @@ INSIDE: dict[str, list[str]] = {
         "_context",
         "_net",
         "_rendezvous",
+        "_threadstates",
         "_world",
         "_execution",
         "_calls",

@@ -11,6 +11,7 @@ import torch
 
 import asyncrpc
 from asyncrpc import FanoutPlan
+from asyncrpc._fanout import _stacked
 
 from conftest import ROOT, run_program
 
@@ -168,6 +169,44 @@ def test_training_and_eval_mode_follow_the_members() -> None:
         for copy, member in zip(copies, members, strict=True):
             torch.testing.assert_close(copy.body[1].running_mean, member.body[1].running_mean)
     assert not fan.declined  # only those calls ran unstacked
+
+
+def test_a_chain_runs_stacked_whatever_its_members_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    members = _members(mlp, 3)  # Linear and element-wise layers: no mode of their own
+    members[1].train()
+    members[2][0].train()
+    chains = []
+    run_chain = _stacked.Stacked._run_chain
+    monkeypatch.setattr(
+        _stacked.Stacked, "_run_chain", lambda *a: chains.append(1) or run_chain(*a)
+    )
+    x = torch.rand(5, 8)
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    with torch.no_grad():
+        _assert_close(fan(x), [m(x) for m in members])
+        _assert_close(fan(x), [m(x) for m in members])
+    assert not fan.declined and len(chains) == 2  # both calls ran as one stacked chain
+
+
+def test_forward_hooks_are_run_never_skipped() -> None:
+    members = _members(mlp, 3)
+    members[1][2].register_forward_hook(lambda module, args, out: out * 0)
+    x = torch.rand(5, 8)
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    with torch.no_grad():
+        _assert_close(fan(x), [m(x) for m in members])
+    assert "member 1's layer '2' has forward hooks" in fan.declined["vmap"]
+    plain = _members(mlp, 3)
+    fan = asyncrpc.Fanout(plain, engine="vmap")
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: out + 1 if isinstance(module, torch.nn.Linear) else None
+    )
+    try:
+        with torch.no_grad():
+            _assert_close(fan(x), [m(x) for m in plain])  # hooked: member by member
+    finally:
+        handle.remove()
+    assert not fan.declined  # only that call ran unstacked
 
 
 class Branchy(torch.nn.Module):

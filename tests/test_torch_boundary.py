@@ -182,6 +182,17 @@ def test_world_caches_worker_infos(world: asyncrpc.Context) -> None:
     assert current.info("worker1") is info
 
 
+def test_profiling_is_torchs_process_wide_profiler_flag() -> None:
+    assert not _torch.profiling()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(_torch.profiling()))
+        thread.start()
+        thread.join()
+        assert _torch.profiling() and seen == [True]  # every thread sees it
+    assert not _torch.profiling()
+
+
 def test_options_store_profiler_and_rendezvous_registry() -> None:
     options = _torch.backend_options(4, 10.0, "env://", ["uv"], ["basic"])
     assert options.num_worker_threads == 4

@@ -51,6 +51,10 @@ class Settings:
     # Python's full collections walk every object, torch's import-time hundreds of
     # thousands included; frozen when the world starts, they are skipped (gc.freeze).
     freeze_gc: bool = True
+    # torch's RPC threads are no Python threads: each time one takes the GIL it is
+    # given a new Python thread state, deleted as it lets go (9 per small Python
+    # call). Kept, each thread has one for as long as it exists (see _threadstates).
+    keep_thread_states: bool = True
     # Embedded worlds (asyncrpc.run without a launcher): "forkserver" forks workers
     # from a warm interpreter that has imported torch, asyncrpc and the script once;
     # "spawn" starts each from a cold one (every worker imports torch itself).
@@ -69,8 +73,9 @@ class Settings:
             raise ValueError(
                 f"start_method must be 'forkserver' or 'spawn', got {self.start_method!r}"
             )
-        if not isinstance(self.freeze_gc, bool):
-            raise ValueError(f"freeze_gc must be True or False, got {self.freeze_gc!r}")
+        for flag in ("freeze_gc", "keep_thread_states"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         threads = self.intra_op_threads
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"intra_op_threads must be a positive int, got {threads!r}")

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import operator
 import os
 import re
 import sys
@@ -33,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.autograd.profiler as _autograd_profiler
 import torch.distributed.rpc as rpc
 from torch._C import _distributed_rpc as _rpc_c
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
@@ -68,7 +70,9 @@ __all__ = [
     "combine",
     "current_agent",
     "failure_kind",
+    "global_forward_hooks",
     "guard_reads",
+    "has_forward_hooks",
     "install",
     "install_await",
     "interop_pool_started",
@@ -76,6 +80,7 @@ __all__ = [
     "is_rpc_thread",
     "mark_async",
     "profiler_config",
+    "profiling",
     "quiet_torchscript",
     "raise_remote_exception",
     "register_rendezvous",
@@ -90,7 +95,7 @@ __all__ = [
     "set_unwrap",
     "tag_future",
     "tensor_tables",
-    "tensor_version",
+    "tensor_versions",
     "uninstall",
     "watch_agent_failures",
     "watch_unread",
@@ -796,9 +801,36 @@ def tensor_tables(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, An
     return module._parameters, module._buffers
 
 
-def tensor_version(tensor: torch.Tensor) -> int:
-    """How many times `tensor` was changed in place (an optimizer step bumps it)."""
-    return int(tensor._version)
+def profiling() -> bool:
+    """True while torch's profiler records: in this process, or on this thread only.
+
+    torch keeps a process-wide flag for fast checks (set by `torch.profiler`
+    and `autograd.profiler.profile`); a profiler on for one thread (an RPC
+    callee's, while a profiled caller calls it) shows in its thread state.
+    """
+    return bool(_autograd_profiler._is_profiler_enabled) or bool(
+        torch._C._autograd._profiler_enabled()
+    )
+
+
+def has_forward_hooks(module: torch.nn.Module) -> bool:
+    """True when `module` itself has forward or forward-pre hooks."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def global_forward_hooks() -> bool:
+    """True while forward hooks for every module are registered (register_module_forward_hook)."""
+    from torch.nn.modules import module as _module
+
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
+_version_of = operator.attrgetter("_version")
+
+
+def tensor_versions(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """How many times each tensor was changed in place (an optimizer step bumps it)."""
+    return tuple(map(_version_of, tensors))
 
 
 def interop_pool_started() -> bool:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from . import _cancel, _net, _rendezvous, _torch
+from . import _cancel, _net, _rendezvous, _threadstates, _torch
 from ._cancel import Sent
 from ._context import Context, Settings, names_for, resolve_world_size
 from ._errors import AsyncRPCError, NotInitializedError, WorldSizeMismatchError
@@ -261,6 +261,8 @@ def start(
             if settings.log_unwaited_failures is not None:
                 log_unwaited_failures(settings.log_unwaited_failures)
             _start_agent(world, master_addr)
+            if settings.keep_thread_states:
+                _threadstates.keep(context.name, settings.num_worker_threads)
             _cancel.watch()
             if settings.freeze_gc and gc.get_freeze_count() == 0:  # a program's own: kept
                 gc.freeze()
@@ -393,6 +395,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         finally:
             _world = _adopted = None
             _cancel.stop_watching()  # it served cancels while the shutdown served calls
+            _threadstates.forget()
             if world is not None:
                 _put_back(world)
             _torch.uninstall()

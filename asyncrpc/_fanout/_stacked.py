@@ -24,6 +24,7 @@ difference, or a forward vmap cannot run, declines the engine for good
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,6 +96,13 @@ def _check(members: Sequence[Any]) -> None:
     for sub in first.modules():
         if isinstance(sub, torch.nn.RNNBase):
             raise Declined("member 0 " + RNN_REASON.format(name=type(sub).__name__))
+    for i, member in enumerate(members):
+        for name, sub in member.named_modules():
+            if _torch.has_forward_hooks(sub):
+                where = f"layer {name!r}" if name else "module"
+                raise Declined(
+                    f"member {i}'s {where} has forward hooks; a stacked call skips them"
+                )
     if not dict(first.named_parameters()):
         raise Declined("the members have no parameters to stack")
     for i, member in enumerate(members[1:], start=1):
@@ -176,8 +184,10 @@ class Stacked:
         )
         self.template = copy.deepcopy(members[0]).to("meta")  # the code, not the weights
         self.subs = [list(m.modules()) for m in members]
+        self.every_sub = [sub for subs in self.subs for sub in subs]
         # Where each member holds its tensors, read on every call: what it holds now.
-        self.slots = [_slots(m) for m in members]
+        slots = [slot for m in members for slot in _slots(m)]
+        self.tables, self.names = [t for t, _ in slots], [n for _, n in slots]
         self.checked = False
         # (key, weights): one attribute, so a thread never pairs a key with other weights
         self._cache: tuple[tuple[Any, ...], Weights] | None = None
@@ -206,12 +216,13 @@ class Stacked:
         return outputs
 
     def _batched(self, calls: Calls) -> list[Any]:
-        training = [sub.training for subs in self.subs for sub in subs]
-        if any(training) and not all(training):
-            raise _Unstackable("members are partly in training mode")
-        if training[0] and any(True for _ in self.members[0].buffers()):
-            raise _Unstackable("buffers are updated in training mode")
-        params, buffers = self._weights(training[0])
+        if _torch.global_forward_hooks():  # nn.modules.module.register_module_forward_hook
+            raise _Unstackable("module forward hooks are registered for every module")
+        # A chain's layers (Linear, element-wise) act alike in either mode: its
+        # members' modes are not read (~80 us a call, after a call has streamed
+        # the weights through the caches).
+        training = False if self.layers is not None else self._training()
+        params, buffers = self._weights(training)
         args, kwargs, dims = _batch_inputs(calls)
         if self.layers is not None and not kwargs and len(args) == 1:
             each = dims[0] is not None
@@ -219,8 +230,19 @@ class Stacked:
                 return list(self._run_chain(params, args[0], each).unbind(0))
         return self._run_vmap(params, buffers, args, kwargs, dims)
 
+    def _training(self) -> bool:
+        """The members' one mode; _Unstackable where they differ or buffers would change."""
+        modes = set(map(_mode_of, self.every_sub))
+        if len(modes) > 1:
+            raise _Unstackable("members are partly in training mode")
+        training = modes.pop()
+        if training and any(True for _ in self.members[0].buffers()):
+            raise _Unstackable("buffers are updated in training mode")
+        return bool(training)
+
     def _weights(self, training: bool) -> Weights:
-        held = [table[name] for slots in self.slots for table, name in slots]
+        # Read per call, so C-level maps: a Python loop over ~100 tensors cost ~100 us.
+        held = map(operator.getitem, self.tables, self.names)
         tensors = [t for t in held if t is not None]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if grad:  # stacked inside the graph, so gradients reach every member's tensors
@@ -230,7 +252,9 @@ class Stacked:
         key = (
             training,
             torch.is_inference_mode_enabled(),
-            tuple((id(t), _torch.tensor_version(t), t.data_ptr()) for t in tensors),
+            tuple(map(id, tensors)),
+            _torch.tensor_versions(tensors),
+            tuple(map(torch.Tensor.data_ptr, tensors)),
         )
         cache = self._cache
         if cache is None or cache[0] != key:
@@ -294,6 +318,9 @@ def _slots(member: torch.nn.Module) -> list[tuple[dict[str, Any], str]]:
         for table in _torch.tensor_tables(sub)
         for name in table
     ]
+
+
+_mode_of = operator.attrgetter("training")
 
 
 class _Unstackable(Exception):
