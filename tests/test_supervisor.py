@@ -134,6 +134,15 @@ def test_a_worker_that_cannot_load_main_says_why() -> None:
     assert 'not under `if __name__ == "__main__":`' in done.stdout, done.stdout
 
 
+@pytest.mark.subprocess
+def test_a_script_without_the_main_guard_is_told_where_to_put_run() -> None:
+    done = run_program("python", str(PROGRAMS / "unguarded.py"), timeout=60)
+    assert done.returncode != 0
+    assert "asyncrpc.run was called again while a worker process imported" in done.stderr
+    assert 'put the call under if __name__ == "__main__":' in done.stderr, done.stderr[-3000:]
+    assert "before it could report an error" in done.stderr, done.stderr[-3000:]
+
+
 def test_run_needs_a_size_without_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncrpc
 

@@ -170,7 +170,7 @@ class WorkerFailedError(AsyncRPCError):
         how = describe_exit(self.exitcode)
         if self.exitcode is not None and self.exitcode < 0:
             return f"{who} {how}"
-        return f"{who} {how} without a Python traceback; its own output above may say why"
+        return f"{who} {how} before it could report an error; its own output above may say why"
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.name, self.rank, self.exitcode, self.remote_traceback))

@@ -114,6 +114,14 @@ def run(
 
 
 def _check_main(main: object) -> None:
+    if getattr(main, "__module__", None) == "__mp_main__":
+        # This process is a worker importing the script (multiprocessing names it
+        # __mp_main__): the script called run at import, not under the guard.
+        raise RuntimeError(
+            "asyncrpc.run was called again while a worker process imported your script: "
+            "the script calls it at import; put the call under "
+            'if __name__ == "__main__": so that only the process you started runs it'
+        )
     if not callable(main):
         raise TypeError(
             f"asyncrpc.run expects a function main(ctx), got {type(main).__name__} {main!r}; "
