@@ -85,7 +85,7 @@ def read_samples(data: Path) -> list[tuple[int, str, str, str]]:
         match = _SAMPLE.match(line)
         if match:
             comm, pid, sym, dso = match.groups()
-            found.append((int(pid), _role(comm), sym or "?", Path(dso).name))
+            found.append((int(pid), thread_role(comm), sym or "?", Path(dso).name))
     return found
 
 
@@ -107,12 +107,19 @@ def summarize(name: str, mine: list[tuple[int, str, str, str]], calls: int) -> l
     return lines
 
 
-def _role(comm: str) -> str:
+def thread_role(comm: str, main: bool | None = None) -> str:
+    """What a worker's thread does, from its name (comm).
+
+    `main` says whether it is the process's main thread, where that is known;
+    perf's samples carry no thread id, so there a thread named python counts.
+    """
     if comm.startswith("TP_"):
         return "TensorPipe loop"
     if comm.startswith("pt_thread_pool"):
         return "RPC agent pool"
-    return "main thread" if comm.startswith("python") else comm
+    if main is None:
+        return "main thread" if comm.startswith("python") else comm
+    return "main thread" if main else "other"
 
 
 # uprobe event name -> (library, symbol)
@@ -177,7 +184,7 @@ def _count(pids: list[int], events: list[str], way: Callable[[], object], calls:
         fields = line.split(",")
         if len(fields) > 3 and fields[1].isdigit():
             comm = fields[0].rpartition("-")[0]
-            found[fields[3]][_role(comm)] += int(fields[1]) / calls
+            found[fields[3]][thread_role(comm)] += int(fields[1]) / calls
     return {event: dict(roles) for event, roles in found.items()}
 
 

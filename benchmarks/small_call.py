@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
+from profile_small_call import thread_role
 from torch.distributed.rpc import api as rpc_api
 from torch.distributed.rpc.internal import PythonUDF
 
@@ -117,18 +118,10 @@ def thread_times() -> dict[str, list[int]]:
         switches = sum(
             int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line
         )
-        role = _role(comm, int(tid) == pid)
+        role = thread_role(comm, int(tid) == pid)
         for i, value in enumerate((cpu, wait, switches)):
             roles[role][i] += value
     return dict(roles)
-
-
-def _role(comm: str, main: bool) -> str:
-    if comm.startswith("TP_"):
-        return "TensorPipe loop"
-    if comm.startswith("pt_thread_pool"):
-        return "RPC pool"
-    return "main thread" if main else "other"
 
 
 def _timed(way: Callable[[], object], calls: int) -> dict[str, Any]:
