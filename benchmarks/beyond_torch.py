@@ -21,7 +21,6 @@ Rounds alternate the systems; figures are medians.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import threading
 import time
@@ -33,8 +32,7 @@ from torch.futures import Future
 
 import asyncrpc
 
-# Before anything imports Ray: keeps every Ray server on 127.0.0.1 (see peers.py).
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+import ray_peer  # before anything imports Ray: it keeps Ray on loopback
 
 _state: dict[str, float] = {}  # on the callee: what its calls saw, and when
 _state_lock = threading.Lock()
@@ -283,9 +281,7 @@ def main(ctx: asyncrpc.Context, opts: argparse.Namespace) -> None:
         return
     ray = None
     if not opts.no_ray:
-        from peers import _start_ray  # the same loopback-only Ray start as the other rows
-
-        if _start_ray():
+        if ray_peer.start():
             ray = ray_ways()
     print_rows(measure(opts.rounds, opts.items, ray))
 

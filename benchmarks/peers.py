@@ -20,10 +20,8 @@ asyncrpc a restart after a worker is killed (max_restarts). Then what
 torch RPC has no way to do, asyncrpc beside Ray (benchmarks/beyond_torch.py):
 cancelling a call, streaming a generator's items, bounding a stream.
 
-Ray stays on loopback like everything else here: on Linux its
-`_node_ip_address` alone still leaves servers on every interface, so
-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set before Ray is imported, and the
-report says where Ray's new listening sockets are.
+Ray stays on loopback like everything else here (benchmarks/ray_peer.py
+starts it), and the report says where Ray's new listening sockets are.
 
 Ray is optional: `pip install 'asyncrpc[bench]'` (or `pip install ray`).
 Without it the Ray rows are skipped and the rest run.
@@ -52,8 +50,7 @@ from torch.futures import Future
 
 import asyncrpc
 
-# Before anything imports Ray: keeps every Ray server on 127.0.0.1 (see the module doc).
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+import ray_peer  # before anything imports Ray: it keeps Ray on loopback
 
 Way = Callable[[], object]
 _IN_FLIGHT = 1000
@@ -174,59 +171,6 @@ def _ray_ways(small: Tensor, big: Tensor) -> dict[str, dict[str, Way]]:
     }
 
 
-def _start_ray() -> bool:
-    if not _has_ray():
-        print("Ray rows skipped: Ray is not installed (pip install 'asyncrpc[bench]')")
-        return False
-    import ray
-
-    before = _listeners()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-        configure_logging=False,
-    )
-    opened = _listeners() - before
-    off = sorted(f"{a}:{p}" for a, p in opened if not _is_loopback(a))
-    where = "all on loopback" if not off else f"{len(off)} off loopback: {off[:4]}"
-    print(f"Ray's listening sockets: {len(opened)}, {where}", flush=True)
-    return True
-
-
-def _is_loopback(address: str) -> bool:
-    import ipaddress
-
-    ip = ipaddress.ip_address(address)
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
-
-
-def _listeners() -> set[tuple[str, int]]:
-    """Every listening TCP socket of this machine: (address, port)."""
-    import ipaddress
-
-    found = set()
-    for name, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        try:
-            lines = open(name).read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            if state != "0A":  # LISTEN
-                continue
-            raw, port = local.split(":")
-            packed = bytes.fromhex(raw)
-            words = [packed[i : i + 4][::-1] for i in range(0, len(packed), 4)]  # host order
-            address = ipaddress.ip_address(b"".join(words)) if size == 16 else None
-            if address is None:
-                address = ipaddress.ip_address(packed[::-1])
-            found.add((str(address), int(port, 16)))
-    return found
-
-
 # ---- measuring ----------------------------------------------------------------------
 
 
@@ -256,7 +200,7 @@ def main(ctx: asyncrpc.Context, opts: argparse.Namespace) -> None:
 
     small, big = torch.ones(16), torch.ones(256 * 1024)  # 64 B and 1 MiB of float32
     rows = _local_ways(small, big)
-    ray = not opts.no_ray and _start_ray()
+    ray = not opts.no_ray and ray_peer.start()
     if ray:
         for row, ways in _ray_ways(small, big).items():
             rows[row].update(ways)
@@ -332,14 +276,14 @@ def _torch_world() -> None:
 def _probe_ray() -> None:
     import ray
 
-    _start_ray()
+    ray_peer.start()
     ways = _ray_ways(torch.ones(16), torch.ones(16))  # starts 4 actors, calls each
     ways["method call on a remote object"]["ray"]()
     print(f"FIRST {time.time()}", flush=True)
     ray.shutdown()
     print(f"END {time.time()}", flush=True)
     print(f"WARM_START {time.time()}", flush=True)
-    _start_ray()
+    ray_peer.start()
     ways = _ray_ways(torch.ones(16), torch.ones(16))
     ways["method call on a remote object"]["ray"]()
     print(f"FIRST {time.time()}", flush=True)
@@ -427,14 +371,6 @@ def _parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _has_ray() -> bool:
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _probe(way: str) -> None:
     print(f"START {time.time()}", flush=True)
     _PROBES[way]()  # prints FIRST, END, then the second world's stamps
@@ -450,7 +386,8 @@ def _run(opts: argparse.Namespace) -> None:
             measured = json.load(f)
     results = measured["rows"]
     if opts.startups:
-        ways = ["asyncrpc", "torch"] + (["ray"] if _has_ray() and not opts.no_ray else [])
+        ray = ray_peer.installed() and not opts.no_ray
+        ways = ["asyncrpc", "torch"] + (["ray"] if ray else [])
         results.update(_time_startups(ways, opts.startups))
     _report(results)
     print()

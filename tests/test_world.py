@@ -1,11 +1,17 @@
 """init/shutdown/Context: the world as a worker sees it, and world-formation errors."""
 
+import datetime
+import sys
+import threading
+import time
+
 import pytest
+import torch.distributed as dist
 
 import asyncrpc
-from asyncrpc._core import _context
+from asyncrpc._core import _context, _rendezvous
 
-from conftest import PROGRAMS, free_port, run_program
+from conftest import PROGRAMS, ROOT, free_port, run_program
 
 
 def test_context_describes_the_world(world: asyncrpc.Context) -> None:
@@ -121,14 +127,89 @@ def test_duplicate_names_are_refused_on_every_worker() -> None:
         assert "DuplicateNameError" in err and "{'twin': [0, 1]}" in err
 
 
+@pytest.mark.parametrize(("size0", "size1"), [(2, 3), (3, 2)])
 @pytest.mark.timeout(120)
-def test_workers_disagreeing_on_world_size() -> None:
+def test_workers_disagreeing_on_world_size(size0: int, size1: int) -> None:
+    # (3, 2): rank 0 expects a rank 2 that never comes; rank 1's size names the
+    # mistake while rank 0 waits, long before init_timeout.
     port = free_port()
-    results = _start_manual((0, 2, port, None), (1, 3, port, None))
-    assert results[1][0] == 3
-    assert "WorldSizeMismatchError" in results[1][2]
-    assert "world_size=3" in results[1][2]
-    assert results[0][0] != 0
+    started = time.monotonic()
+    results = _start_manual((0, size0, port, None), (1, size1, port, None))
+    assert time.monotonic() - started < 15, results
+    for rank, (code, _, err) in enumerate(results):
+        assert code == 3, results
+        assert "WorldSizeMismatchError" in err, err
+        assert f"world_size={(size0, size1)[rank]}" in err, err
+
+
+class _HeldStore(dist.Store):
+    """A real store client whose reads wait at a gate: a worker slow to read its verdict."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()
+        self.inner, self.reading, self.gate = inner, threading.Event(), threading.Event()
+
+    def get(self, key: str) -> bytes:
+        self.reading.set()  # joined: its claim, name and size are in the store
+        self.gate.wait(30)
+        return self.inner.get(key)  # type: ignore[no-any-return]
+
+    def set(self, key: str, value: str) -> None:
+        self.inner.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)  # type: ignore[no-any-return]
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("host_size", "own_size", "error"),
+    [(2, 2, asyncrpc.DuplicateNameError), (2, 3, asyncrpc.WorldSizeMismatchError)],
+)
+@pytest.mark.timeout(120)
+def test_a_refusing_host_waits_until_a_slow_peer_has_read_the_verdict(
+    host_size: int, own_size: int, error: type[Exception]
+) -> None:
+    # The unlucky order, forced: rank 0 (hosting the store) reaches its verdict while
+    # rank 1 has joined but not yet read anything. Rank 0 must not take the store away.
+    import subprocess
+
+    port = free_port()
+    host = subprocess.Popen(
+        [sys.executable, str(PROGRAMS / "manual.py"), "0", str(host_size), str(port), "twin"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        client = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30)
+        )
+        held = _HeldStore(client)
+        outcome: list[BaseException] = []
+
+        def rank1() -> None:
+            try:
+                _rendezvous.agree(held, 1, own_size, "twin", timeout=20)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=rank1)
+        thread.start()
+        # Rank 0 has everything it needs once rank 1 has joined; give it time to leave.
+        assert held.reading.wait(30)
+        time.sleep(1.0)
+        assert host.poll() is None, "rank 0 left while rank 1 was still reading: " + str(
+            host.communicate()
+        )
+        held.gate.set()
+        thread.join(30)
+        code, (_, err) = host.wait(60), host.communicate()
+    finally:
+        if host.poll() is None:
+            host.kill()
+    assert len(outcome) == 1 and isinstance(outcome[0], error), outcome
+    assert code == 3 and error.__name__ in err, err
 
 
 @pytest.mark.parametrize(

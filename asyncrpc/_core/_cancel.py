@@ -23,7 +23,6 @@ whatever it returns, a cancelled call's reply is a CancelledError.
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import itertools
 import threading
@@ -52,6 +51,7 @@ __all__ = [
 
 TOMBSTONE_S = 120.0  # how long a cancel waits for a call that has not started yet
 _JOIN_S = 3.0  # how long a stopping watcher may take
+_GUARD_POLL_S = 0.2  # how often the exit guard looks whether the main thread has ended
 _KEY_BITS = 40
 _STOP = "stop"
 _numbers = itertools.count(1)
@@ -217,6 +217,8 @@ class _Watcher:
         self.started = False
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
+        self.guard: threading.Thread | None = None
+        self.done = threading.Event()  # ends the guard
         self.rank = -1
         self.store: Any = None  # to wake it with a stop, after its agent is gone
 
@@ -239,23 +241,44 @@ def watch() -> None:
         thread = threading.Thread(
             target=_watch, args=(listening, rank), name="asyncrpc-cancels", daemon=True
         )
-        _watcher.thread, _watcher.rank, _watcher.store = thread, rank, store
-        thread.start()
         # A thread still inside torch's store when the interpreter finalizes aborts the
-        # process: stop it first, also when torch's own rpc.shutdown() ended the world.
-        atexit.register(stop_watching)
+        # process, so the watcher must stop first, also when the program never calls
+        # shutdown. The guard is no daemon: the interpreter waits for it before atexit
+        # and finalization, and it stops the watcher once the main thread has ended.
+        # (An atexit hook would stay registered, and leave a slot behind per world.)
+        done = threading.Event()
+        guard = threading.Thread(
+            target=_guard, args=(done,), name="asyncrpc-exit-guard", daemon=False
+        )
+        _watcher.thread, _watcher.rank, _watcher.store = thread, rank, store
+        _watcher.guard, _watcher.done = guard, done
+        thread.start()
+        guard.start()
+
+
+def _guard(done: threading.Event) -> None:
+    main = threading.main_thread()
+    while not done.wait(_GUARD_POLL_S):
+        if not main.is_alive():  # the interpreter is exiting: it waits for this thread
+            stop_watching()
+            return
 
 
 def stop_watching() -> None:
     """Stop this worker's watcher once its world has ended (a message wakes it)."""
     with _watcher.lock:
         thread, rank, store = _watcher.thread, _watcher.rank, _watcher.store
-        _watcher.started, _watcher.thread, _watcher.store = False, None, None
+        guard, done = _watcher.guard, _watcher.done
+        _watcher.started, _watcher.thread, _watcher.store, _watcher.guard = (
+            False, None, None, None,
+        )  # fmt: skip
     with _lock:
         _tombstones.clear()
+    done.set()
+    if guard is not None and guard is not threading.current_thread():
+        guard.join(_JOIN_S)
     if thread is None:
         return
-    atexit.unregister(stop_watching)
     try:
         _send(store, rank, _STOP)
     except Exception:

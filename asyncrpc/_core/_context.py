@@ -56,8 +56,9 @@ class Settings:
     # call). Kept, each thread has one for as long as it exists (see _threadstates).
     keep_thread_states: bool = True
     # Embedded worlds (asyncrpc.run without a launcher): "forkserver" forks workers
-    # from a warm interpreter that has imported torch, asyncrpc and the script once;
-    # "spawn" starts each from a cold one (every worker imports torch itself).
+    # from a warm interpreter that has imported torch, its RPC layer and asyncrpc
+    # (not the script: each worker imports that itself); "spawn" starts each from a
+    # cold one (every worker imports torch itself).
     start_method: str = "forkserver"
 
     def __post_init__(self) -> None:

@@ -325,27 +325,36 @@ def with_timeout(fut: Future[T], seconds: float, *, cancel: bool = False) -> Fut
 
 
 class _Alarm:
-    def __init__(self, action: Callable[[], None]) -> None:
+    __slots__ = ("action", "clock")
+
+    def __init__(self, clock: _Clock, action: Callable[[], None]) -> None:
+        self.clock = clock
         self.action: Callable[[], None] | None = action
 
     def cancel(self) -> None:
-        self.action = None
+        self.clock.cancel(self)
 
 
 class _Clock:
-    """One daemon thread that runs actions at deadlines (a heap, one condition)."""
+    """One thread that runs actions at deadlines (a heap, one condition).
+
+    It runs only while an alarm is pending: it ends when the last one has
+    fired or been cancelled, and the next `call_at` starts it again.
+    """
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, _Alarm]] = []
         self._order = itertools.count()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._pending = 0  # alarms neither fired nor cancelled
 
     def call_at(self, deadline: float, action: Callable[[], None]) -> _Alarm:
-        alarm = _Alarm(action)
+        alarm = _Alarm(self, action)
         with self._wake:
             heapq.heappush(self._heap, (deadline, next(self._order), alarm))
-            if self._thread is None or not self._thread.is_alive():
+            self._pending += 1
+            if self._thread is None or not self._thread.is_alive():  # none, or lost in a fork
                 self._thread = threading.Thread(
                     target=self._loop, name="asyncrpc-clock", daemon=True
                 )
@@ -353,14 +362,28 @@ class _Clock:
             self._wake.notify()
         return alarm
 
+    def cancel(self, alarm: _Alarm) -> None:
+        with self._wake:
+            if alarm.action is None:  # fired already, or cancelled before
+                return
+            alarm.action = None
+            self._pending -= 1
+            if self._pending == 0:  # only cancelled alarms left: let the thread end now
+                self._heap.clear()
+                self._wake.notify()
+
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._heap or self._heap[0][0] > time.monotonic():
-                    wait = None if not self._heap else self._heap[0][0] - time.monotonic()
-                    self._wake.wait(wait)
+                while self._heap and self._heap[0][0] > time.monotonic():
+                    self._wake.wait(self._heap[0][0] - time.monotonic())
+                if not self._heap:
+                    self._thread = None
+                    return
                 _, _, alarm = heapq.heappop(self._heap)
-            action = alarm.action
+                action, alarm.action = alarm.action, None
+                if action is not None:
+                    self._pending -= 1
             if action is not None:
                 action()
 

@@ -8,17 +8,22 @@ instead of a hang::
       |--- add claim/r ------------->|   a rank taken twice   -> RendezvousError
       |--- set world/r, name/r ----->|
       |<-- wait world/0..N-1 --------|   a missing peer       -> RendezvousError
-      |    compare                   |   other world size     -> WorldSizeMismatchError
-      |                              |   a name seen twice    -> DuplicateNameError
+      |    compare (also while       |   other world size     -> WorldSizeMismatchError
+      |    waiting)                  |   a name seen twice    -> DuplicateNameError
+      |--- add decided ------------->|   this worker holds its verdict
       `--> rpc.init_rpc(init_method="asyncrpc-store://") reuses the same store
            (the scheme is registered with torch while a world runs: _torch.install)
+
+A worker that hosts the store (rank 0 of `init`) and refuses the world stays
+until every worker that joined has counted itself decided: leaving at once
+would take the store away from peers still reading the same verdict, and
+they would report a lost store instead of the named error.
 """
 
 from __future__ import annotations
 
 import collections
 import datetime
-import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -41,7 +46,8 @@ __all__ = [
 
 HANDOFF_URL = "asyncrpc-store://"
 _POLL_S = 0.02
-_generation = itertools.count()
+_LINGER_S = 30.0  # the longest a refusing host waits for its peers to read the verdict
+_SETTLE_S = 2.0  # ... and for a peer that never joins
 _handoff: dict[str, Any] = {}
 _handoff_lock = threading.Lock()
 
@@ -74,10 +80,34 @@ def client_store(host: str, port: int, timeout: float) -> TCPStore:
 
 
 def agree(
-    store: Store, rank: int, world_size: int, name: str, timeout: float, tag: str = ""
+    store: Store,
+    rank: int,
+    world_size: int,
+    name: str,
+    timeout: float,
+    tag: str = "",
+    *,
+    hosts: bool = False,
 ) -> tuple[str, ...]:
-    """Meet every peer in `store`; return all names in rank order, or raise."""
-    space = PrefixStore(f"asyncrpc/{tag}{next(_generation)}/", store)
+    """Meet every peer in `store`; return all names in rank order, or raise.
+
+    `hosts`: this process hosts `store`; when the world is refused it stays
+    until its peers have read the same verdict (at most `_LINGER_S`).
+    """
+    # The how-many-th world this rank forms on this store: a store that outlives
+    # a world (torchrun's agent store) gets a fresh key space for the next one.
+    generation = int(store.add(f"asyncrpc/{tag}joins/{rank}", 1)) - 1
+    space = PrefixStore(f"asyncrpc/{tag}{generation}/", store)
+    refused = True
+    try:
+        names = _meet(space, rank, world_size, name, timeout)
+        refused = False
+        return names
+    finally:
+        _decided(space, hosts and refused, world_size)
+
+
+def _meet(space: Store, rank: int, world_size: int, name: str, timeout: float) -> tuple[str, ...]:
     if space.add(f"claim/{rank}", 1) > 1:
         raise RendezvousError(
             f"rank {rank} was claimed by two processes; give every process its own rank "
@@ -85,10 +115,10 @@ def agree(
         )
     space.set(f"name/{rank}", name)
     space.set(f"world/{rank}", str(world_size))
+    space.add("joined", 1)
     # Rank 0's size first: a worker that expects more peers than exist would
     # otherwise wait for them until the timeout.
     _wait_for_peers(space, rank, [0], world_size, timeout)
-    _check_sizes(space, rank, [0], world_size)
     _wait_for_peers(space, rank, range(world_size), world_size, timeout)
     _check_sizes(space, rank, range(world_size), world_size)
     names = tuple(space.get(f"name/{r}").decode() for r in range(world_size))
@@ -109,28 +139,75 @@ def _check_sizes(space: Store, rank: int, ranks: Iterable[int], world_size: int)
 def _wait_for_peers(
     space: Store, rank: int, ranks: Iterable[int], world_size: int, timeout: float
 ) -> None:
-    keys = [f"world/{r}" for r in ranks]
+    waiting = set(ranks)
     deadline = time.monotonic() + timeout
-    while not _check(space, keys, rank):
+    joined_seen = -1
+    while waiting:
+        joined = _joined(space, rank)
+        if joined != joined_seen:  # someone came: look who, and what size it expects
+            joined_seen = joined
+            present = {r for r in waiting if space.check([f"world/{r}"])}
+            # Compared while waiting: a peer that expects fewer workers may be the
+            # last one that ever comes, and its size names the mistake.
+            _check_sizes(space, rank, present, world_size)
+            waiting -= present
+        if not waiting:
+            return
         if time.monotonic() > deadline:
-            missing = [r for r in ranks if not space.check([f"world/{r}"])]
             raise RendezvousError(
-                f"rank {rank} waited {timeout:g} s but ranks {missing} of a world of "
+                f"rank {rank} waited {timeout:g} s but ranks {sorted(waiting)} of a world of "
                 f"{world_size} never joined; start all {world_size} workers with the same "
                 f"MASTER_ADDR/MASTER_PORT, or lower world_size"
             )
         time.sleep(_POLL_S)
 
 
-def _check(space: Store, keys: list[str], rank: int) -> bool:
+def _joined(space: Store, rank: int) -> int:
     try:
-        return bool(space.check(keys))
+        return int(space.add("joined", 0))
     except dist.DistNetworkError as exc:
         raise RendezvousError(
             f"rank {rank} lost the rendezvous store while waiting for its peers ({exc}); "
             f"the process hosting it (rank 0 or the launcher) has probably exited: see "
             f"its error"
         ) from exc
+
+
+def _decided(space: Store, linger: bool, world_size: int) -> None:
+    """Count this worker decided; with `linger`, wait for the peers that joined to decide."""
+    try:
+        space.add("decided", 1)
+        if linger:
+            _linger(space, world_size)
+    except dist.DistError:  # the store is gone: nobody is left to wait for
+        return
+
+
+def _linger(space: Store, world_size: int) -> None:
+    # Done when every worker that any joined peer expects has decided; one that
+    # never comes is waited for until no one has joined for _SETTLE_S.
+    deadline = time.monotonic() + _LINGER_S
+    joined_seen, last_join, expected = -1, time.monotonic(), world_size
+    while time.monotonic() < deadline:
+        joined, decided = int(space.add("joined", 0)), int(space.add("decided", 0))
+        if joined != joined_seen:
+            joined_seen, last_join = joined, time.monotonic()
+            expected = _expected(space, world_size, joined)
+        if decided >= expected:
+            return
+        if decided >= joined and time.monotonic() - last_join > _SETTLE_S:
+            return
+        time.sleep(_POLL_S)
+
+
+def _expected(space: Store, world_size: int, joined: int) -> int:
+    """The largest world size that any worker that joined expects."""
+    largest, r, found = world_size, 0, 0
+    while r < largest and found < joined:
+        if space.check([f"world/{r}"]):
+            largest, found = max(largest, int(space.get(f"world/{r}"))), found + 1
+        r += 1
+    return largest
 
 
 def _check_unique(names: tuple[str, ...]) -> None:

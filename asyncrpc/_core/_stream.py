@@ -2,10 +2,11 @@
 
     caller                                         callee
     s = stream("w1", gen, args=(...), window=32)
-      pull(key, gen and its args, n=32) ──────────> gen(*args) starts and runs until
-                                                    n items are ready together (or the
-                                                    first and a moment more); it pauses
-      <──── [items], ended?, failure ───────────── at its `yield` until the next pull
+      pull(key, gen and its args, n=32) ──────────> gen(*args) starts and runs ahead
+                                                    while it has credit (n items); the
+                                                    pull takes the items made so far, or
+      <──── [items], ended?, failure ───────────── waits for the first; it pauses at its
+                                                    `yield` when the credit is spent
     for x in s: ...  (from the buffer)
       pull(key, n = window - buffered) ───────────> resumes it where it paused
     break, s.close() or s dropped
@@ -39,7 +40,6 @@ __all__ = ["DEFAULT_WINDOW", "Stream", "check_window", "open_producers", "stream
 
 T = TypeVar("T")
 DEFAULT_WINDOW = 32
-_GATHER_S = 0.002  # a sync generator's items made within this of the first travel together
 
 
 def stream(

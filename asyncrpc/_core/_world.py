@@ -248,7 +248,9 @@ def start(
         else:
             store = _rendezvous.client_store(master_addr, master_port, settings.init_timeout)
         tag = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
-        names = _rendezvous.agree(store, rank, world_size, name, settings.init_timeout, tag)
+        names = _rendezvous.agree(
+            store, rank, world_size, name, settings.init_timeout, tag, hosts=hosts_store
+        )
         attempt = attempt if attempt is not None else int(tag or 0)
         roles_seen = tuple((roles or {}).items())
         context = Context(rank, world_size, name, names, roles_seen, attempt, _leave=_leave)

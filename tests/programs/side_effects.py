@@ -1,5 +1,8 @@
 """Importing asyncrpc changes nothing in torch; a world patches torch, its shutdown puts it back.
 
+After the last shutdown nothing of asyncrpc stays registered: no atexit
+callback (nor an emptied slot), no signal handler, no thread.
+
     python tests/programs/side_effects.py [init|torch]
 
 `init`: a world started by asyncrpc.init; `torch`: one started by torch's
@@ -11,7 +14,9 @@ import atexit
 import gc
 import importlib
 import os
+import signal
 import sys
+import threading
 import warnings
 
 import torch
@@ -38,6 +43,31 @@ def torch_state() -> dict[str, object]:
     return state
 
 
+def process_state() -> dict[str, object]:
+    """What a world may leave in the process: atexit slots, signal handlers, threads."""
+    return {
+        # atexit keeps a slot for every registration, unregistered ones too.
+        "atexit slots": atexit._ncallbacks(),  # type: ignore[attr-defined]
+        "signal handlers": {
+            s.name: signal.getsignal(s)
+            for s in signal.valid_signals()
+            if isinstance(s, signal.Signals) and s not in (signal.SIGKILL, signal.SIGSTOP)
+        },
+    }
+
+
+def asyncrpc_threads() -> list[str]:
+    """asyncrpc's threads alive now, known by the module their target lives in."""
+    found = []
+    for thread in threading.enumerate():
+        target = getattr(thread, "_target", None)
+        module = getattr(target, "__module__", "") or ""
+        owner = getattr(getattr(target, "__self__", None), "__module__", "") or ""
+        if module.startswith("asyncrpc") or owner.startswith("asyncrpc"):
+            found.append(thread.name)
+    return found
+
+
 def differences(before: dict[str, object], after: dict[str, object]) -> list[str]:
     found = []
     for key in sorted(set(before) | set(after)):
@@ -59,9 +89,11 @@ def asyncrpc_exit_callbacks() -> list[str]:
     called: list[str] = []
 
     def profile(frame: object, event: str, arg: object) -> None:
-        code = frame.f_code  # type: ignore[attr-defined]
-        if event == "call" and "asyncrpc" in code.co_filename:
-            called.append(f"{code.co_filename}:{code.co_name}")
+        # Known by the module a function belongs to, not by a word in its path: the
+        # environment torch lives in may itself sit under a folder named asyncrpc.
+        module = str(frame.f_globals.get("__name__", ""))  # type: ignore[attr-defined]
+        if event == "call" and (module == "asyncrpc" or module.startswith("asyncrpc.")):
+            called.append(f"{module}.{frame.f_code.co_name}")  # type: ignore[attr-defined]
 
     sys.setprofile(profile)
     try:
@@ -87,6 +119,7 @@ if __name__ == "__main__":
     before = torch_state()
     import asyncrpc
 
+    process_before = process_state()
     check("after import", before)
     if mode == "init":
         asyncrpc.init(rank=0, world_size=1, master_port=0, intra_op_threads=1)
@@ -96,9 +129,23 @@ if __name__ == "__main__":
         rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=options)
         assert asyncrpc.rpc_sync("worker0", int, args=("7",)) == 7  # adopted on first use
     check("during the world", before, expect_same=False)
+    during = asyncrpc_threads()
+    if "asyncrpc-cancels" not in during:
+        print(f"during the world: no cancel watcher among {during}", flush=True)
+        sys.exit(1)
     asyncrpc.shutdown()
     assert not asyncrpc._core._torch.agent_running(), "the agent is still up"
     check("after shutdown", before)
+    left = asyncrpc_threads()
+    if left:
+        print(f"after shutdown: threads left {left}", flush=True)
+        sys.exit(1)
+    print(f"after shutdown: no thread of asyncrpc (during: {sorted(during)})", flush=True)
+    changed = differences(process_before, process_state())
+    if changed:
+        print(f"after shutdown: process changed {changed}", flush=True)
+        sys.exit(1)
+    print("after shutdown: atexit slots and signal handlers as before", flush=True)
     # torch's agent module loads asyncrpc's rendezvous entry point (torch's doing),
     # which must not patch the agent: only a launcher's rendezvous does, for its run.
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
