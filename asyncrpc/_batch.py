@@ -35,12 +35,12 @@ from ._core import _calls, _cancel, _torch
 from ._core._errors import BatchNotSentError, CancelledError
 from ._core._execution import Kind, classify, run_python, run_python_async
 from ._core._failures import hold, label_of
-from ._core._futures import completed, new_future
+from ._core._futures import Settle, completed
 
 __all__ = ["Batch", "run_batch"]
 
 _Entry = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], int]  # func, args, kw, key
-_Pending = dict[str, list[tuple[_Entry, Future[Any]]]]
+_Pending = dict[str, list[tuple[_Entry, Settle]]]
 
 
 class _Outbox:
@@ -109,20 +109,16 @@ class Batch:
         """Add `func(*args, **kwargs)` on worker `to`; a Future of its result, set once sent."""
         call = _calls.check("Batch.rpc_async", to, func, args, kwargs, self._timeout)
         entry = (call.func, tuple(call.args or ()), dict(call.kwargs or {}), call.sent.key)
-        fut = new_future()
+        settle = Settle()
+        fut = settle.future
         # A call: named, ends wait_all early, cancellable (before the send it is taken
-        # out of the message; after, its callee is asked to stop it).
+        # out of the message; after, it fails at once and its callee is asked to stop).
         _torch.tag_future(fut, call.sent)
         with self._lock:
             outbox = self._box[0]
             _torch.guard_reads(fut, outbox)
-            outbox.pending.setdefault(call.worker, []).append((entry, fut))
-        unsent = CancelledError(
-            f"the call to {label_of(call.label)} on worker {call.worker!r} was cancelled "
-            "before it started: its Batch had not sent it",
-            call.worker,
-        )
-        canceller = _Canceller(self._box, self._lock, weakref.ref(fut), call, unsent)
+            outbox.pending.setdefault(call.worker, []).append((entry, settle))
+        canceller = _Canceller(self._box, self._lock, weakref.ref(settle), call)
         _torch.set_canceller(fut, canceller)
         return fut
 
@@ -179,36 +175,40 @@ class Batch:
 
 
 class _Canceller:
-    """Cancels one Batch call: out of its message if unsent, else at its callee.
+    """Cancels one Batch call: out of its message if unsent, else failed now, callee told.
 
-    Holds its Future weakly: the Future's canceller must not keep it alive.
+    Holds the call's Settle weakly: the Future's canceller must not keep it alive.
     """
 
-    __slots__ = ("box", "fut", "lock", "sent", "unsent", "worker")
+    __slots__ = ("box", "label", "lock", "sent", "settle", "worker")
 
     def __init__(
         self,
         box: list[_Outbox],
         lock: threading.Lock,
-        fut: weakref.ref[Future[Any]],
+        settle: weakref.ref[Settle],
         call: _calls.Call,
-        unsent: CancelledError,
     ) -> None:
-        self.box, self.lock, self.fut, self.unsent = box, lock, fut, unsent
+        self.box, self.lock, self.settle = box, lock, settle
         self.worker, self.sent = call.worker, call.sent  # not the call: it holds the args
+        self.label = label_of(call.label)
 
     def __call__(self) -> bool:
-        fut = self.fut()
-        if fut is None or fut.done():
+        settle = self.settle()
+        if settle is None or settle.future.done():
             return False
         with self.lock:
             items = self.box[0].pending.get(self.worker, [])
-            taken = [item for item in items if item[1] is fut]
+            taken = [item for item in items if item[1] is settle]
             for item in taken:
                 items.remove(item)
-        if not taken:  # sent already: its callee stops it
-            return _cancel.request(self.sent)
-        fut.set_result(hold(self.unsent))
+        what = f"the call to {self.label} on worker {self.worker!r} was cancelled"
+        if taken:
+            unsent = f"{what} before it started: its Batch had not sent it"
+            return settle.reject(CancelledError(unsent, self.worker))
+        if not settle.reject(CancelledError(what, self.worker)):
+            return False  # its outcome arrived first
+        _cancel.request(self.sent)  # sent already: its callee stops it
         return True
 
 
@@ -216,22 +216,19 @@ def _drop(box: list[_Outbox]) -> None:
     box[0].drop()
 
 
-def _hand_out(reply: Future[Any], items: list[tuple[_Entry, Future[Any]]]) -> None:
+def _hand_out(reply: Future[Any], items: list[tuple[_Entry, Settle]]) -> None:
     try:
         outcomes = reply.value()
     except BaseException as exc:  # the message failed: every call in it did
         _fail_all(items, exc)
         return
-    for (_, fut), outcome in zip(items, outcomes, strict=True):
-        if not fut.done():  # a call cancelled before the send has already failed
-            fut.set_result(outcome)  # a Failure raises its call's own error when read
+    for (_, settle), outcome in zip(items, outcomes, strict=True):
+        settle.resolve(outcome)  # a Failure raises its call's own error when read
 
 
-def _fail_all(items: list[tuple[_Entry, Future[Any]]], error: BaseException) -> None:
-    failure = hold(error)  # a detached copy: `error` may still be propagating
-    for _, fut in items:
-        if not fut.done():
-            fut.set_result(failure)
+def _fail_all(items: list[tuple[_Entry, Settle]], error: BaseException) -> None:
+    for _, settle in items:
+        settle.reject(error)  # a detached copy each: `error` may still be propagating
 
 
 # ---- the callee's side ----------------------------------------------------------------

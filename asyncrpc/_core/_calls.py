@@ -40,6 +40,7 @@ from ._errors import NestedCallError, UnknownWorkerError
 from ._execution import Kind, classify, run_python, run_python_async
 from ._failures import check_reply, label_of, raise_unsendable
 from ._futures import check_seconds
+from ._reply import Reply
 from ._torch import WorkerInfo
 from ._unwaited import unwaited_logging, watch_unwaited
 
@@ -234,8 +235,12 @@ def check_timeout(verb: str, timeout: float | None) -> float:
 # ---- sending and reading the reply ----------------------------------------------------
 
 
-def send(call: Call) -> Future[Any]:
-    """torch's rpc_async for a checked call; the reply reads as the module doc says."""
+def send(call: Call, cancellable: bool = True) -> Future[Any]:
+    """torch's rpc_async for a checked call; the reply reads as the module doc says.
+
+    The Future is asyncrpc's own (`_reply`), which a cancel can fail at once;
+    with `cancellable=False` (rpc_sync: nobody can cancel it) torch's own.
+    """
     traced, replied = _traced(call.worker, call.func)
     func, args, kwargs = _wrapped(call.func, traced, call.args, call.kwargs, call.sent.key)
     try:
@@ -246,8 +251,15 @@ def send(call: Call) -> Future[Any]:
             fut = _torch.send_torch(call.to, func, args, kwargs, call.seconds)
     except Exception as exc:
         raise_unsendable(exc, call.worker, call.label)
+    if cancellable:
+        # torch's operators run without a cancel key: a cancel fails the Future only.
+        sent = call.sent if func is not traced else call.sent._replace(key=0)
+        reply = Reply(sent)
+        _torch.add_callback(fut, reply)
+        fut = reply.future
+    else:
+        _torch.set_unwrap(fut, check_reply)
     _torch.tag_future(fut, call.sent)
-    _torch.set_unwrap(fut, check_reply)
     if replied is not None:
         fut.add_done_callback(replied)
     if unwaited_logging():
@@ -271,7 +283,7 @@ def send_remote(call: Call) -> rpc.RRef[Any]:
 def call_sync(call: Call) -> Any:
     """`send` and wait for the reply, refusing to block the last free RPC thread."""
     with holding_rpc_thread(call.worker, call.label):
-        return send(call).wait()
+        return send(call, cancellable=False).wait()
 
 
 # While a trace records (asyncrpc._trace), it swaps each outgoing function for a

@@ -23,6 +23,7 @@ whatever it returns, a cancelled call's reply is a CancelledError.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import itertools
 import threading
@@ -36,6 +37,7 @@ __all__ = [
     "Running",
     "Sent",
     "begin",
+    "bookkeeping",
     "cancel",
     "cancelled",
     "claim",
@@ -50,6 +52,8 @@ __all__ = [
 ]
 
 TOMBSTONE_S = 120.0  # how long a cancel waits for a call that has not started yet
+TOMBSTONES_MAX = 65_536  # the most kept at once: the oldest go first
+ENDED_KEPT = 4_096  # calls that ended lately: a cancel racing their reply finds them
 _JOIN_S = 3.0  # how long a stopping watcher may take
 _GUARD_POLL_S = 0.2  # how often the exit guard looks whether the main thread has ended
 _KEY_BITS = 40
@@ -127,7 +131,11 @@ class Running:
 
 _lock = threading.Lock()
 _running: dict[int, Running] = {}
-_tombstones: dict[int, float] = {}  # key -> when the cancel expires
+# key -> when the cancel expires; in the order they came, which is expiry order.
+_tombstones: collections.OrderedDict[int, float] = collections.OrderedDict()
+# Calls that ended lately (a cancel that raced their reply needs no tombstone).
+_ended: collections.deque[int] = collections.deque(maxlen=ENDED_KEPT)
+_ended_keys: set[int] = set()
 _current = threading.local()
 
 
@@ -161,23 +169,47 @@ def claim(state: Running, on_cancel: Callable[[], object]) -> bool:
 
 def end(state: Running) -> None:
     """The call is over."""
-    _running.pop(state.key, None)
+    with _lock:
+        if _running.pop(state.key, None) is None:
+            return  # ended twice (a reply path and a cancel): counted once
+        if len(_ended) == ENDED_KEPT:
+            _ended_keys.discard(_ended[0])
+        _ended.append(state.key)
+        _ended_keys.add(state.key)
 
 
 def deliver(key: int) -> None:
-    """A cancel for `key` arrived: stop the call, or keep a tombstone until it comes."""
+    """A cancel for `key` arrived: stop the call, or keep a tombstone until it comes.
+
+    A cancel for a call that ended lately (it raced the reply) is dropped; the
+    tombstones expire oldest first, and at most TOMBSTONES_MAX are kept.
+    """
     with _lock:
         state = _running.get(key)
         if state is None:
-            now = time.monotonic()
-            for old in [k for k, until in _tombstones.items() if until < now]:
-                del _tombstones[old]
-            _tombstones[key] = now + TOMBSTONE_S
+            if key not in _ended_keys:
+                _bury(key)
             return
         state.cancelled = True
         on_cancel = state.on_cancel
     if on_cancel is not None:
         on_cancel()
+
+
+def _bury(key: int) -> None:
+    now = time.monotonic()
+    while _tombstones:
+        oldest, until = next(iter(_tombstones.items()))
+        if until >= now and len(_tombstones) < TOMBSTONES_MAX:
+            break
+        del _tombstones[oldest]
+    _tombstones[key] = now + TOMBSTONE_S
+
+
+def bookkeeping() -> dict[str, int]:
+    """How much cancel state this worker holds (for checks and the benchmarks)."""
+    with _lock:
+        return {"running": len(_running), "tombstones": len(_tombstones), "ended": len(_ended)}
 
 
 def current() -> Running | None:
@@ -274,6 +306,8 @@ def stop_watching() -> None:
         )  # fmt: skip
     with _lock:
         _tombstones.clear()
+        _ended.clear()
+        _ended_keys.clear()
     done.set()
     if guard is not None and guard is not threading.current_thread():
         guard.join(_JOIN_S)

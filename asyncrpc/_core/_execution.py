@@ -357,12 +357,14 @@ class _Task:
     __slots__ = (
         "__weakref__",  # its cancel is held weakly (see _torch.set_canceller)
         "_awaiting",
+        "_cancelled",
         "_coro",
         "_done",
         "_fn",
         "_for_torch",
         "_lock",
         "_out",
+        "_settled",
         "_thrown",
         "_waker",
         "state",
@@ -379,24 +381,30 @@ class _Task:
         self._awaiting: Any = None
         self._waker: _Waker | None = None
         self._done = self._thrown = False
+        self._cancelled = self._settled = False  # _settled: `_out` has its outcome
         self.state: _cancel.Running | None = None
 
     def start(self) -> None:
         self._run(None)
 
     def cancel(self) -> bool:
-        """Stop the coroutine at its `await`; False when it has finished."""
+        """Fail the Future with CancelledError now; stop the coroutine at its `await`.
+
+        False when the coroutine has finished (its outcome stands).
+        """
         with self._lock:
-            if self._done:
+            if self._done or self._settled:
                 return False
+            self._cancelled = self._settled = True
             if self.state is not None:
                 self.state.cancelled = True
             awaiting = self._stop_awaiting()
             if awaiting is None:
                 self._thrown = False  # running or not started: at its next await
-                return True
-        self._run(asyncio.CancelledError(f"{_name(self._fn)} was cancelled"))
-        _torch.cancel(awaiting)  # the call it awaited: the next hop stops too
+        self._out.set_result(Failure(cancelled_error(self._fn), self._for_torch))
+        if awaiting is not None:
+            self._run(asyncio.CancelledError(f"{_name(self._fn)} was cancelled"))
+            _torch.cancel(awaiting)  # the call it awaited: the next hop stops too
         return True
 
     def resume(self, waker: _Waker) -> None:
@@ -416,7 +424,9 @@ class _Task:
     def _run(self, error: BaseException | None) -> None:
         with self._lock:
             outcome, done = self._step(error)
-        if done:  # outside the lock: callbacks run inline here
+            settle = done and not self._settled
+            self._settled = self._settled or done
+        if settle:  # outside the lock: callbacks run inline here
             self._out.set_result(outcome)
 
     def _step(self, error: BaseException | None) -> tuple[Any, bool]:
@@ -442,7 +452,8 @@ class _Task:
     def _next_error(self, awaited: object) -> BaseException | None:
         if not isinstance(awaited, _torch.FutureType):
             return self._not_a_future(awaited)
-        if self.state is not None and self.state.cancelled and not self._thrown:
+        cancelled = self._cancelled or (self.state is not None and self.state.cancelled)
+        if cancelled and not self._thrown:
             self._thrown = True  # cancelled while it ran: now, at this await
             return asyncio.CancelledError(f"{_name(self._fn)} was cancelled")
         return None

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 from torch.futures import Future
 
 from . import _torch
+from ._errors import CancelledError
 from ._failures import check_reply, hold
 
 __all__ = [
@@ -94,12 +95,29 @@ def new_future() -> Future[Any]:
 
 
 class Settle:
-    """Completes `future` once: the first resolve/reject wins, later ones are ignored."""
+    """Completes `future` once: the first resolve/reject wins, later ones are ignored.
+
+    Cancelling `future` fails it with CancelledError at once (if nothing won
+    before), then cancels the Futures it is made of (`_torch.combine`).
+    """
 
     def __init__(self) -> None:
         self.future = new_future()
         self._lock = threading.Lock()
         self._done = False
+        _torch.set_canceller(self.future, self.cancel)  # held weakly there
+
+    def cancel(self) -> bool:
+        """Fail the Future with CancelledError; False when it has its outcome already."""
+        if not self._claim():
+            return False
+        parts = _torch.parts_of(self.future)
+        self.future.set_result(
+            hold(CancelledError(f"this Future, made of {len(parts)} others, was cancelled"))
+        )
+        for part in parts:
+            _torch.cancel(part)
+        return True
 
     def _claim(self) -> bool:
         with self._lock:
@@ -108,13 +126,19 @@ class Settle:
             self._done = True
             return True
 
-    def resolve(self, value: object) -> None:
-        if self._claim():
-            self.future.set_result(value)
+    def resolve(self, value: object) -> bool:
+        """Complete with `value`; False when an outcome won before."""
+        if not self._claim():
+            return False
+        self.future.set_result(value)
+        return True
 
-    def reject(self, error: BaseException) -> None:
-        if self._claim():
-            self.future.set_result(hold(error))
+    def reject(self, error: BaseException) -> bool:
+        """Fail with `error` (a detached copy); False when an outcome won before."""
+        if not self._claim():
+            return False
+        self.future.set_result(hold(error))
+        return True
 
     def copy(self, source: Future[Any]) -> None:
         try:
@@ -227,8 +251,11 @@ def wait_first(futs: Iterable[Future[Any]]) -> Future[Future[Any]]:
         raise ValueError("wait_first needs at least one Future, got none")
     out = Settle()
     _torch.combine(out.future, items)
+    def first(done: Future[Any]) -> None:
+        out.resolve(done)
+
     for item in items:
-        item.add_done_callback(out.resolve)
+        item.add_done_callback(first)
     return out.future
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "Store",
     "TCPStore",
     "WorkerInfo",
+    "add_callback",
     "agent_running",
     "agent_store",
     "agent_threads",
@@ -79,6 +80,8 @@ __all__ = [
     "is_builtin",
     "is_rpc_thread",
     "mark_async",
+    "outcome",
+    "parts_of",
     "profiler_config",
     "profiling",
     "quiet_torchscript",
@@ -93,6 +96,7 @@ __all__ = [
     "send_torch",
     "set_canceller",
     "set_unwrap",
+    "storage_shared",
     "tag_future",
     "tensor_tables",
     "tensor_versions",
@@ -367,7 +371,7 @@ def install(hooks: Hooks) -> None:
         install_await(hooks.await_future)
         _patch(FutureType, "wait", _named_read(FutureType.wait, hooks))
         _patch(FutureType, "value", _named_read(FutureType.value, hooks))
-        _patch(FutureType, "then", _held(FutureType.then))
+        _patch(FutureType, "then", _held(FutureType.then, chained=True))
         _patch(FutureType, "add_done_callback", _held(FutureType.add_done_callback))
         _patch(torch._C, "_collect_all", _early_collect_all(torch._C._collect_all, hooks))
         _patch(PyRRef, "to_here", _checked_to_here(PyRRef.to_here, hooks))
@@ -414,7 +418,24 @@ def install_await(method: Callable[[Any], Any], keep: bool = False) -> None:
 _tags: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 # torch's own, taken before any patch: the unread watch must not count as a read.
 _future_wait = FutureType.wait
+_future_value = FutureType.value
 _future_add_done_callback = FutureType.add_done_callback
+
+
+def add_callback(fut: Any, callback: Callable[[Any], None]) -> None:
+    """torch's own add_done_callback: counts as no read, and keeps no tagged wrapper."""
+    _future_add_done_callback(fut, callback)
+
+
+def outcome(fut: Any) -> tuple[bool, Any]:
+    """A done Future's outcome as torch holds it: (True, value) or (False, torch's error).
+
+    No read hook runs: a carried failure stays a value, torch's error is not named.
+    """
+    try:
+        return True, _future_value(fut)
+    except RuntimeError as error:
+        return False, error.with_traceback(None)
 
 
 def tag_future(fut: Any, tag: object) -> None:
@@ -441,6 +462,11 @@ def guard_reads(fut: Any, check: Callable[[], None]) -> None:
 def combine(fut: Any, inputs: Sequence[Any]) -> None:
     """Record that `fut` is made of `inputs`: their guards are its guard, cancel reaches them."""
     _combined[fut] = list(inputs)
+
+
+def parts_of(fut: Any) -> list[Any]:
+    """The Futures `fut` is made of (`combine`), or none."""
+    return list(_combined.get(fut, ()))
 
 
 def check_guard(fut: Any) -> None:
@@ -504,13 +530,16 @@ def _named_read(read: Callable[[Any], Any], hooks: Hooks) -> Callable[[Any], Any
     return named_read
 
 
-def _held(add: Callable[..., Any]) -> Callable[..., Any]:
+def _held(add: Callable[..., Any], chained: bool = False) -> Callable[..., Any]:
     @functools.wraps(add)
     def add_callback(self: Any, callback: Callable[[Any], Any]) -> Any:
         if self in _tags:
             callback = functools.partial(_call_held, callback, self)
             _mark_read(self)
-        return add(self, callback)
+        child = add(self, callback)
+        if chained and (self in _tags or self in _cancellers or self in _combined):
+            combine(child, [self])  # cancelling what `then` made cancels its source
+        return child
 
     return add_callback
 
@@ -823,6 +852,16 @@ def global_forward_hooks() -> bool:
     from torch.nn.modules import module as _module
 
     return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
+def storage_shared(tensor: torch.Tensor) -> bool:
+    """True when another tensor (a view, `.data` held somewhere) shares `tensor`'s memory.
+
+    Counts the references to its storage: the tensor's own and the storage
+    object made to ask (torch's private `_storage_Use_Count`).
+    """
+    storage = tensor.untyped_storage()
+    return int(torch._C._storage_Use_Count(storage._cdata)) > 2
 
 
 _version_of = operator.attrgetter("_version")

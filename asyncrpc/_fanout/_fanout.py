@@ -32,8 +32,9 @@ from torch.futures import Future
 
 from .._core import _futures, _torch
 from . import _exit
+from ._decline import Declined, decline
 from ._pool import Pool
-from ._stacked import Declined, Stacked, decline
+from ._stacked import Stacked
 from ._tuner import Engine, FanoutPlan, Ticket, Tuner, candidate_plans
 
 _ENGINES = ("auto", "vmap", "threads", "fork", "serial")
@@ -179,8 +180,19 @@ class Fanout:
         return self._run(calls)
 
     def close(self) -> None:
-        """Stop the engine's threads (also done when the `Fanout` is collected)."""
+        """Stop the engine's threads, and give stacked members memory of their own again.
+
+        Also done when the `Fanout` is collected. While the "vmap" engine
+        runs, each member's parameters and buffers are views into one stacked
+        tensor per name; after `close` they are plain tensors again.
+        """
         self._close_pools(keep=None)
+        self._release_stacks()
+
+    def _release_stacks(self) -> None:
+        stacked = self._stacked
+        if stacked is not None:
+            stacked.release()
 
     def __enter__(self) -> Fanout:
         return self
@@ -217,6 +229,8 @@ class Fanout:
             self._tuner.end(ticket, ok=_succeeded(done))
             if self.plan is not None:
                 self._close_pools(keep=self.plan)
+                if self.plan.engine != "vmap":  # the members need not stay stacked
+                    self._release_stacks()
         finally:
             out.copy(done)
 
@@ -247,6 +261,7 @@ class Fanout:
             with _span(f"vmap of {len(self.members)} members"):
                 return stacked.run(calls, lambda: self._serial(calls))
         except Declined as declined:
+            stacked.release()
             self._stacked = None
             self._decline(str(declined), self.engine == "vmap")
             self._tuner.drop(plan, FanoutPlan("serial", 1, self.budget))

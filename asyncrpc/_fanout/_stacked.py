@@ -5,169 +5,42 @@ GEMM, which keeps the cores busy where threads and `jit.fork` cannot (small
 members, small batches, few cores)::
 
     Fanout(members, engine="vmap")
-      decline(members) ── a reason, or None: one class and layout, equal
-                          settings, parameters to stack, no RNN kernels
-    call(x)
-      weights ── torch.stack of each parameter and buffer over the members;
-                 kept while no member's tensors changed (objects, versions, data), so
-                 an optimizer step on a member is seen by the next call
+      decline(members) ── a reason, or None (_decline)
+    first call ── members one by one: this call's results
+              └─ on copies of the members, stacked and one by one compared
+                 (outputs, buffers, attributes; in eval mode if the forward
+                 draws random numbers): a difference declines the engine
+                 for good (`Declined`); else the members' tensors become
+                 rows of the stacks (_storage)
+    every call ── attributes alike? (_attributes)    no: one by one
+                  tensors where the stacks hold them? (_storage: re-pointed)
         ├─ nn.Sequential of Linear and element-wise layers:
         │    one torch.baddbmm per Linear over every member at once
-        └─ any other module: torch.func.vmap(functional_call) over the stack
+        └─ any other module: torch.func.vmap(functional_call) over the stacks
       outputs, split along the member axis, in member order
 
-The first stacked call is checked against the members run one by one; a
-difference, or a forward vmap cannot run, declines the engine for good
-(`Declined`) and that call's results come from the members themselves.
+With gradients on, the stacked call reads the members' parameters through
+`torch.stack` (so gradients reach each member's own); a member whose
+parameters and inputs need none gets outputs that need none, as its own
+forward would give.
 """
 
 from __future__ import annotations
 
 import copy
-import operator
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .._core import _torch
+from ._attributes import Attributes
+from ._check import RANDOM_REASON, Calls, deterministic, first_line, leaves, replay
+from ._decline import Declined, chain_of
+from ._storage import Storage, Unstackable
 
-__all__ = ["Declined", "Stacked", "decline"]
-
-Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
-Weights = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]  # parameters, buffers
-
-# Layers applied to the stacked activations as they are (element-wise).
-_ELEMENTWISE = (
-    torch.nn.ReLU,
-    torch.nn.ReLU6,
-    torch.nn.LeakyReLU,
-    torch.nn.ELU,
-    torch.nn.GELU,
-    torch.nn.SiLU,
-    torch.nn.Mish,
-    torch.nn.Tanh,
-    torch.nn.Sigmoid,
-    torch.nn.Softplus,
-    torch.nn.Hardtanh,
-    torch.nn.Identity,
-)
-_STATE = frozenset({"_parameters", "_buffers", "_modules", "training"})
-RNN_REASON = (
-    "holds an {name}: torch.func.vmap has no batching rule for torch's fused RNN "
-    "kernels, and 4 BiLSTMs (T=50, B=8, C=256) written as one stacked-GEMM LSTM ran "
-    "2x slower than one by one on a 2-core CPU (51 vs 26 ms, 2026-11-23): oneDNN's "
-    "fused LSTM beats batched GEMMs plus per-step element-wise ops; threads and fork "
-    "run them"
-)
-
-
-class Declined(Exception):
-    """The stacked engine cannot run these members; the message says why.
-
-    Raised by a call, it carries that call's `results`, from the members themselves.
-    """
-
-    def __init__(self, reason: str, results: list[Any] | None = None) -> None:
-        super().__init__(reason)
-        self.results = results
-
-
-def decline(members: Sequence[Any]) -> str | None:
-    """Why these members cannot run stacked, or None when they can."""
-    try:
-        _check(members)
-    except Declined as reason:
-        return str(reason)
-    return None
-
-
-def _check(members: Sequence[Any]) -> None:
-    first = members[0]
-    for i, member in enumerate(members):
-        if not isinstance(member, torch.nn.Module):
-            raise Declined(f"member {i} is a {type(member).__name__}, not an nn.Module")
-        if isinstance(member, torch.jit.ScriptModule):
-            raise Declined(f"member {i} is a TorchScript module (engine='fork' runs those)")
-        if type(member) is not type(first):
-            raise Declined(
-                f"member {i} is a {type(member).__name__}, member 0 a {type(first).__name__}"
-            )
-    for sub in first.modules():
-        if isinstance(sub, torch.nn.RNNBase):
-            raise Declined("member 0 " + RNN_REASON.format(name=type(sub).__name__))
-    for i, member in enumerate(members):
-        for name, sub in member.named_modules():
-            if _torch.has_forward_hooks(sub):
-                where = f"layer {name!r}" if name else "module"
-                raise Declined(
-                    f"member {i}'s {where} has forward hooks; a stacked call skips them"
-                )
-    if not dict(first.named_parameters()):
-        raise Declined("the members have no parameters to stack")
-    for i, member in enumerate(members[1:], start=1):
-        _check_same(first, member, i)
-
-
-def _check_same(first: torch.nn.Module, member: torch.nn.Module, i: int) -> None:
-    ours = dict(first.named_modules(remove_duplicate=False))
-    theirs = dict(member.named_modules(remove_duplicate=False))
-    if ours.keys() != theirs.keys():
-        raise Declined(f"member {i}'s layers differ from member 0's")
-    for name, sub in ours.items():
-        other = theirs[name]
-        if type(sub) is not type(other):
-            raise Declined(f"member {i}'s layer {name!r} is a {type(other).__name__}")
-        for ours_table, theirs_table in zip(
-            _torch.tensor_tables(sub), _torch.tensor_tables(other), strict=True
-        ):
-            _check_tensors(ours_table, theirs_table, name, i)
-        _check_settings(sub, other, name, i)
-
-
-def _check_tensors(ours: dict[str, Any], theirs: dict[str, Any], where: str, i: int) -> None:
-    if ours.keys() != theirs.keys():
-        raise Declined(f"member {i}'s tensors in {where or 'the module'!r} differ in name")
-    for key, tensor in ours.items():
-        other = theirs[key]
-        same = (tensor is None) == (other is None) and (
-            tensor is None
-            or (tensor.shape, tensor.dtype, tensor.device)
-            == (other.shape, other.dtype, other.device)
-        )
-        if not same:
-            raise Declined(f"member {i}'s {where + '.' if where else ''}{key} differs in shape")
-
-
-def _check_settings(sub: torch.nn.Module, other: torch.nn.Module, where: str, i: int) -> None:
-    # Plain attributes are settings every member must share (a scale, a slope):
-    # stacking runs member 0's code with every member's tensors.
-    for key, value in vars(sub).items():
-        if key in _STATE or key.endswith("hooks") or key.startswith("_"):
-            continue
-        if isinstance(value, torch.Tensor):
-            raise Declined(
-                f"{where or 'the module'}.{key} is a tensor that is neither a parameter "
-                "nor a buffer, so it cannot be stacked; register it with register_buffer"
-            )
-        try:
-            equal = bool(value == vars(other).get(key, object()))
-        except Exception:
-            equal = False
-        if not equal:
-            raise Declined(f"member {i}'s {where or 'module'}.{key} differs from member 0's")
-
-
-def _chain(member: torch.nn.Module) -> list[torch.nn.Module] | None:
-    """The layers of a Linear/element-wise nn.Sequential, or None for anything else."""
-    if type(member) is not torch.nn.Sequential:
-        return None
-    layers = list(member)
-    if not any(isinstance(layer, torch.nn.Linear) for layer in layers):
-        return None
-    if all(type(layer) is torch.nn.Linear or type(layer) in _ELEMENTWISE for layer in layers):
-        return layers
-    return None
+__all__ = ["Stacked"]
 
 
 class Stacked:
@@ -176,21 +49,12 @@ class Stacked:
     def __init__(self, members: Sequence[torch.nn.Module]) -> None:
         self.members = tuple(members)
         self.count = len(members)
-        self.layers = _chain(members[0])
-        self.linear_weights = frozenset(
-            f"{i}.weight"
-            for i, layer in enumerate(self.layers or ())
-            if isinstance(layer, torch.nn.Linear)
-        )
+        self.layers = chain_of(members[0])
         self.template = copy.deepcopy(members[0]).to("meta")  # the code, not the weights
-        self.subs = [list(m.modules()) for m in members]
-        self.every_sub = [sub for subs in self.subs for sub in subs]
-        # Where each member holds its tensors, read on every call: what it holds now.
-        slots = [slot for m in members for slot in _slots(m)]
-        self.tables, self.names = [t for t, _ in slots], [n for _, n in slots]
-        self.checked = False
-        # (key, weights): one attribute, so a thread never pairs a key with other weights
-        self._cache: tuple[tuple[Any, ...], Weights] | None = None
+        self.attributes = _attributes_of(self.members, self.template, self.layers is not None)
+        self.has_buffers = any(True for _ in members[0].buffers())
+        self.storage: Storage | None = None  # made once the first call's check passed
+        self._first = threading.Lock()
 
     def run(self, calls: Calls, serial: Callable[[], list[Any]]) -> list[Any]:
         """The members' outputs for `calls`; `serial()` where this call cannot be stacked.
@@ -198,94 +62,129 @@ class Stacked:
         Raises `Declined` (after running `serial` for this call's results)
         when the engine must not be used again.
         """
+        if not self._stackable_now():
+            return serial()
+        if self.storage is None:
+            return self._first_call(calls, serial)
         try:
-            outputs = self._batched(calls)
-        except _Unstackable:
+            return self.batched(self.storage, calls)
+        except Unstackable:
             return serial()
         except Exception as error:
             results = serial()  # a member's own error comes from here, named
-            reason = f"vmap cannot run their forward: {_first_line(error)}"
+            reason = f"vmap cannot run their forward: {first_line(error)}"
             raise Declined(reason, results) from error
-        if not self.checked:
-            results = serial()
-            difference = _difference(outputs, results)
-            if difference is not None:
-                reason = f"stacked outputs differ from the members' ({difference})"
-                raise Declined(reason, results)
-            self.checked = True
-        return outputs
 
-    def _batched(self, calls: Calls) -> list[Any]:
+    def release(self) -> None:
+        """Give the members memory of their own again (the engine is no longer used)."""
+        storage, self.storage = self.storage, None
+        if storage is not None:
+            storage.release()
+
+    def _stackable_now(self) -> bool:
         if _torch.global_forward_hooks():  # nn.modules.module.register_module_forward_hook
-            raise _Unstackable("module forward hooks are registered for every module")
-        # A chain's layers (Linear, element-wise) act alike in either mode: its
-        # members' modes are not read (~80 us a call, after a call has streamed
-        # the weights through the caches).
-        training = False if self.layers is not None else self._training()
-        params, buffers = self._weights(training)
+            return False
+        if not self.attributes.alike():  # a setting or mode differs between members
+            return False
+        # BatchNorm and the like update their buffers in training: vmap has no rule.
+        return not (self.has_buffers and self.layers is None and self.template.training)
+
+    def _first_call(self, calls: Calls, serial: Callable[[], list[Any]]) -> list[Any]:
+        with self._first:
+            if self.storage is not None:
+                return self.run(calls, serial)
+            try:
+                copies = [copy.deepcopy(list(self.members)) for _ in range(2)]
+                inputs = [copy.deepcopy(calls) for _ in range(2)]
+            except Exception as error:
+                results = serial()
+                raise Declined(
+                    f"the members cannot be copied for the first call's check "
+                    f"({first_line(error)})",
+                    results,
+                ) from error
+            results = serial()  # the call itself: the members' own state moves once
+            reason = self._check(copies, inputs)
+            if reason is not None:
+                raise Declined(reason, results)
+            self.storage = Storage(self.members)
+            return results
+
+    def _check(self, copies: list[list[torch.nn.Module]], inputs: list[Calls]) -> str | None:
+        """Why stacking these members would differ from running them, or None."""
+        stacked_copies, own_copies = copies
+        try:
+            if not deterministic(own_copies[0], inputs[1][0]):
+                # Dropout in training, say: masks cannot be compared; the code can.
+                for member in [*stacked_copies, *own_copies]:
+                    member.eval()
+                if not deterministic(own_copies[0], inputs[1][0]):
+                    return RANDOM_REASON
+            engine = Stacked(stacked_copies)
+            if not engine._stackable_now():
+                return engine.attributes.difference or "the members' copies cannot be stacked"
+            storage = Storage(stacked_copies)
+            return replay(
+                lambda: engine.batched(storage, inputs[0]), stacked_copies, own_copies, inputs[1]
+            )
+        except Unstackable as why:
+            return str(why)
+        except Exception as error:
+            return f"vmap cannot run their forward: {first_line(error)}"
+
+    def batched(self, storage: Storage, calls: Calls) -> list[Any]:
+        """One stacked call over `storage` (the members' tensors as its rows)."""
+        held = storage.sync()
         args, kwargs, dims = _batch_inputs(calls)
+        params = self._params(storage, held)
         if self.layers is not None and not kwargs and len(args) == 1:
             each = dims[0] is not None
             if _is_rows(args[0], each):
-                return list(self._run_chain(params, args[0], each).unbind(0))
-        return self._run_vmap(params, buffers, args, kwargs, dims)
+                outputs = list(self._run_chain(params, args[0], each).unbind(0))
+                return self._as_members(outputs, storage, held, calls)
+        buffers = {name: storage.stacks[name] for name in storage.buffer_names}
+        outputs = self._run_vmap(params, buffers, args, kwargs, dims)
+        return self._as_members(outputs, storage, held, calls)
 
-    def _training(self) -> bool:
-        """The members' one mode; _Unstackable where they differ or buffers would change."""
-        modes = set(map(_mode_of, self.every_sub))
-        if len(modes) > 1:
-            raise _Unstackable("members are partly in training mode")
-        training = modes.pop()
-        if training and any(True for _ in self.members[0].buffers()):
-            raise _Unstackable("buffers are updated in training mode")
-        return bool(training)
+    def _params(self, storage: Storage, held: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not torch.is_grad_enabled():
+            return {name: storage.stacks[name] for name in storage.param_names}
+        params = {}
+        for name in storage.param_names:
+            group = storage.group(held, name)
+            # Stacked inside the graph, so gradients reach every member's own tensor.
+            needs = any(t.requires_grad for t in group)
+            params[name] = torch.stack(group) if needs else storage.stacks[name]
+        return params
 
-    def _weights(self, training: bool) -> Weights:
-        # Read per call, so C-level maps: a Python loop over ~100 tensors cost ~100 us.
-        held = map(operator.getitem, self.tables, self.names)
-        tensors = [t for t in held if t is not None]
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        if grad:  # stacked inside the graph, so gradients reach every member's tensors
-            return self._stacked()
-        # A tensor replaced (another object), changed in place (its version) or given
-        # other data (`.data = ...`, `.to(...)`: its data pointer) is stacked again.
-        key = (
-            training,
-            torch.is_inference_mode_enabled(),
-            tuple(map(id, tensors)),
-            _torch.tensor_versions(tensors),
-            tuple(map(torch.Tensor.data_ptr, tensors)),
-        )
-        cache = self._cache
-        if cache is None or cache[0] != key:
-            with torch.no_grad():
-                cache = self._cache = (key, self._stacked())
-        return cache[1]
-
-    def _stacked(self) -> Weights:
-        params = [dict(m.named_parameters()) for m in self.members]
-        buffers = [dict(m.named_buffers()) for m in self.members]
-        # A chain's Linear weights are stacked transposed, (members, in, out), the
-        # layout torch.bmm reads fastest (read as it is, a batch-1 call is 1.3x slower).
-        flip = self.linear_weights
-        return (
-            {k: torch.stack([p[k].T if k in flip else p[k] for p in params]) for k in params[0]},
-            {k: torch.stack([b[k] for b in buffers]) for k in buffers[0]},
-        )
+    def _as_members(
+        self, outputs: list[Any], storage: Storage, held: list[torch.Tensor], calls: Calls
+    ) -> list[Any]:
+        """Outputs whose `requires_grad` is what each member's own forward gives."""
+        if not torch.is_grad_enabled():
+            return outputs
+        needs = [False] * self.count
+        for name in storage.param_names:
+            for i, tensor in enumerate(storage.group(held, name)):
+                needs[i] = needs[i] or tensor.requires_grad
+        for i, (args, kwargs) in enumerate(calls):
+            if not needs[i] and any(t.requires_grad for t in leaves([args, kwargs])):
+                needs[i] = True
+        return [out if need else _detached(out) for out, need in zip(outputs, needs, strict=True)]
 
     def _run_chain(self, params: dict[str, torch.Tensor], x: torch.Tensor, each: bool) -> Any:
         assert self.layers is not None
         h = x if each else x.expand(self.count, *x.shape)
         for index, layer in enumerate(self.layers):
             if type(layer) is not torch.nn.Linear:
-                h = layer(h)
+                h = layer(h)  # member 0's: every member's is alike (_attributes)
                 continue
-            weight = params[f"{index}.weight"]  # stacked transposed
+            weight = params[f"{index}.weight"]  # (members, out, in)
             bias = params.get(f"{index}.bias")
             if bias is None:
-                h = torch.bmm(h, weight)
+                h = torch.bmm(h, weight.mT)
             else:
-                h = torch.baddbmm(bias.unsqueeze(1), h, weight)
+                h = torch.baddbmm(bias.unsqueeze(1), h, weight.mT)
         return h
 
     def _run_vmap(
@@ -296,60 +195,43 @@ class Stacked:
         kwargs: dict[str, Any],
         dims: tuple[int | None, ...],
     ) -> list[Any]:
-        template = self.template
-        template.train(self.members[0].training)
-        for sub, real in zip(template.modules(), self.subs[0], strict=True):
-            sub.training = real.training
+        template = self.template  # member 0's attributes and modes (_attributes)
 
         def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *a: Any) -> Any:
             return torch.func.functional_call(template, (p, b), a, kwargs)
 
-        flip = self.linear_weights  # back from the chain's layout
-        params = {k: v.transpose(1, 2) if k in flip else v for k, v in params.items()}
         vmapped = torch.func.vmap(one, in_dims=(0, 0, *dims), randomness="different")
         return _split(vmapped(params, buffers, *args), self.count)
 
 
-def _slots(member: torch.nn.Module) -> list[tuple[dict[str, Any], str]]:
-    """Each parameter and buffer of `member`: (the table it is held in, its name)."""
-    return [
-        (table, name)
-        for sub in member.modules()
-        for table in _torch.tensor_tables(sub)
-        for name in table
-    ]
+def _attributes_of(
+    members: Sequence[torch.nn.Module], template: torch.nn.Module, chain: bool
+) -> Attributes:
+    # A chain's layers (Linear, element-wise) act alike in either mode: its
+    # members' modes may differ.
+    return Attributes(members, template, ignore=("training",) if chain else ())
 
 
-_mode_of = operator.attrgetter("training")
-
-
-class _Unstackable(Exception):
-    """This call cannot run stacked (its inputs, the members' mode); the next may."""
-
-
-Inputs = tuple[tuple[Any, ...], dict[str, Any], tuple[int | None, ...]]
-
-
-def _batch_inputs(calls: Calls) -> Inputs:
+def _batch_inputs(calls: Calls) -> tuple[tuple[Any, ...], dict[str, Any], tuple[int | None, ...]]:
     """The arguments for one batched call, and which of them are stacked (dim 0)."""
     first_args, kwargs = calls[0]
     if all(call is calls[0] for call in calls[1:]):  # one call for all: nothing to stack
         return first_args, kwargs, (None,) * len(first_args)
     if any(k for _, k in calls) or len({len(a) for a, _ in calls}) != 1:
-        raise _Unstackable("the calls' arguments differ in form")
+        raise Unstackable("the calls' arguments differ in form")
     args: list[Any] = []
     dims: list[int | None] = []
     for column in zip(*(a for a, _ in calls), strict=True):
         if all(isinstance(v, torch.Tensor) for v in column):
             if len({v.shape for v in column}) != 1:
-                raise _Unstackable("the members' inputs differ in shape")
+                raise Unstackable("the members' inputs differ in shape")
             args.append(torch.stack(column))
             dims.append(0)
         elif all(v is column[0] for v in column):
             args.append(column[0])
             dims.append(None)
         else:
-            raise _Unstackable("the members' inputs are not tensors of one shape")
+            raise Unstackable("the members' inputs are not tensors of one shape")
     return tuple(args), {}, tuple(dims)
 
 
@@ -367,32 +249,14 @@ def _split(out: Any, count: int) -> list[Any]:
     if isinstance(out, dict):
         split = {key: _split(value, count) for key, value in out.items()}
         return [{key: parts[i] for key, parts in split.items()} for i in range(count)]
-    raise _Unstackable(f"the members return a {type(out).__name__}")
+    raise Unstackable(f"the members return a {type(out).__name__}")
 
 
-def _difference(stacked: list[Any], serial: list[Any]) -> str | None:
-    for i, (a, b) in enumerate(zip(stacked, serial, strict=True)):
-        ours, theirs = _leaves(a), _leaves(b)
-        if len(ours) != len(theirs):
-            return f"member {i}: {len(ours)} tensors where its own forward gives {len(theirs)}"
-        for x, y in zip(ours, theirs, strict=True):
-            if x.shape != y.shape:
-                return f"member {i}: shape {tuple(x.shape)} where its own is {tuple(y.shape)}"
-            if not torch.allclose(x, y, rtol=1e-4, atol=1e-5):
-                return f"member {i}: largest difference {(x - y).abs().max().item():.3g}"
-    return None
-
-
-def _leaves(out: Any) -> list[torch.Tensor]:
+def _detached(out: Any) -> Any:
     if isinstance(out, torch.Tensor):
-        return [out.detach()]
+        return out.detach()
     if isinstance(out, (tuple, list)):
-        return [leaf for item in out for leaf in _leaves(item)]
+        return type(out)(_detached(item) for item in out)
     if isinstance(out, dict):
-        return [leaf for value in out.values() for leaf in _leaves(value)]
-    return []
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
+        return {key: _detached(value) for key, value in out.items()}
+    return out

@@ -1,0 +1,242 @@
+"""The stacked storage of the "vmap" engine: the members' tensors are its rows.
+
+For every parameter and buffer name the engine keeps one tensor that holds
+all members' values, and each member's own tensor is a view of its row::
+
+    member i's tensor (m_i.fc.weight) ── a view of ──> stack["fc.weight"][i]
+                                                              │
+    optimizer steps (fused and foreach too), .data writes,    │ read as it is by
+    load_state_dict, buffers updated in place in forward ─────┘ the stacked call
+
+So what a member holds and what the stacked call reads are one thing: a
+write torch does not count (`.data`, fused kernels) needs no check and no
+copy. Per call only where each member's tensor lives is compared (data
+pointers, read with C-level maps): a tensor replaced or given other memory
+(`p.data = t`, `.to()`, `load_state_dict(assign=True)`) is copied into its
+row and made a view of it again, unless another tensor shares its memory:
+then it is copied into its row before every call, and the member keeps
+sharing. `release` gives each member memory of its own again (the Fanout
+closed or collected, the engine declined or not chosen).
+
+What aliasing would change for a member, and what is done about it:
+  - `torch.save(member.state_dict())` and `copy.deepcopy` of its entries would
+    write or copy the whole stack: a state-dict hook marks the entries so
+    they save and copy as themselves alone;
+  - RPC sends a row alone (torch copies a view of a larger storage);
+  - left as they are (documented): `p.untyped_storage()` is the stack's, and
+    `torch.save(member)` of the whole module object writes the stacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._core import _torch
+
+__all__ = ["Storage", "Unstackable"]
+
+
+class Unstackable(Exception):
+    """This call cannot run stacked (its inputs, the members' tensors or modes); the next may."""
+
+
+class _Slot:
+    """Where one member keeps one named tensor: a table of a submodule, and its key."""
+
+    __slots__ = ("is_param", "key", "name", "table")
+
+    def __init__(self, name: str, is_param: bool, table: dict[str, Any], key: str) -> None:
+        self.name, self.is_param, self.table, self.key = name, is_param, table, key
+
+
+def slots_of(member: torch.nn.Module) -> list[_Slot]:
+    """Each distinct parameter and buffer of `member`, named as `named_parameters` does."""
+    found, seen = [], set()
+    for prefix, sub in member.named_modules():
+        for table, is_param in zip(_torch.tensor_tables(sub), (True, False), strict=True):
+            for key, tensor in table.items():
+                if tensor is None or id(tensor) in seen:  # tied: one slot, as torch names it
+                    continue
+                seen.add(id(tensor))
+                found.append(_Slot(f"{prefix}.{key}" if prefix else key, is_param, table, key))
+    return found
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+class Storage:
+    """The members' parameters and buffers as rows of one stacked tensor per name."""
+
+    def __init__(self, members: Sequence[torch.nn.Module]) -> None:
+        self.count = len(members)
+        per_member = [slots_of(m) for m in members]
+        self.names = [slot.name for slot in per_member[0]]
+        for i, slots in enumerate(per_member[1:], start=1):
+            if [slot.name for slot in slots] != self.names:
+                raise Unstackable(f"member {i} ties or names its tensors unlike member 0")
+        self.param_names = [s.name for s in per_member[0] if s.is_param]
+        self.buffer_names = [s.name for s in per_member[0] if not s.is_param]
+        # Name-major: slot j is member j % count's tensor of name j // count.
+        flat = [per_member[i][k] for k in range(len(self.names)) for i in range(self.count)]
+        self._tables = [slot.table for slot in flat]
+        self._keys = [slot.key for slot in flat]
+        self.stacks: dict[str, torch.Tensor] = {}
+        self._rows: list[torch.Tensor] = [torch.empty(0)] * len(flat)
+        self._expected: list[int] = [0] * len(flat)
+        self._foreign: set[int] = set()  # copied into their rows before every call
+        self._lock = threading.Lock()
+        self._hooks = [
+            sub.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
+                functools.partial(_mark_entries, weakref.ref(self))
+            )
+            for m in members
+            for sub in m.modules()
+        ]
+        held = self.held()
+        with self._lock, _stacking():
+            for k in range(len(self.names)):
+                self._restack(k, held)
+
+    def held(self) -> list[torch.Tensor]:
+        """What each member holds now, slot by slot (name-major)."""
+        return list(map(operator.getitem, self._tables, self._keys))
+
+    def sync(self) -> list[torch.Tensor]:
+        """Make the stacks hold what the members hold now; returns the members' tensors."""
+        held = self.held()
+        try:
+            pointers = list(map(_data_ptr, held))
+        except TypeError:  # a slot set to None
+            raise Unstackable("a member's parameter or buffer was set to None") from None
+        if pointers != self._expected:
+            with self._lock, _stacking():
+                self._repoint(held, pointers)
+        if self._foreign:
+            with _stacking():
+                for j in list(self._foreign):
+                    self._rows[j].copy_(held[j])
+        return held
+
+    def group(self, held: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+        """The members' tensors of `name`, in member order."""
+        k = self.names.index(name)
+        return held[k * self.count : (k + 1) * self.count]
+
+    def release(self) -> None:
+        """Give every member memory of its own again; the stacks are dropped."""
+        with self._lock, _stacking():
+            for j, tensor in enumerate(self.held()):
+                if tensor is not None and _data_ptr(tensor) == _data_ptr(self._rows[j]):
+                    tensor.data = self._rows[j].clone()
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+            self.stacks.clear()
+            self._rows = [torch.empty(0)] * len(self._rows)
+            self._expected = [-1] * len(self._rows)
+            self._foreign.clear()
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """True when `tensor` is a view into one of the stacks."""
+        base = tensor.untyped_storage().data_ptr()
+        return any(s.untyped_storage().data_ptr() == base for s in self.stacks.values())
+
+    def _repoint(self, held: list[torch.Tensor], pointers: list[int]) -> None:
+        restacked: set[int] = set()
+        for j in [j for j, p in enumerate(pointers) if p != self._expected[j]]:
+            k = j // self.count
+            if k in restacked:
+                continue
+            tensor, row = held[j], self._rows[j]
+            if (tensor.shape, tensor.dtype, tensor.device) != (row.shape, row.dtype, row.device):
+                self._restack(k, held)  # every member's tensor of this name, or Unstackable
+                restacked.add(k)
+                continue
+            row.copy_(tensor)
+            self._adopt(j, tensor)
+
+    def _restack(self, k: int, held: list[torch.Tensor]) -> None:
+        group = held[k * self.count : (k + 1) * self.count]
+        if len({(t.shape, t.dtype, t.device) for t in group}) != 1:
+            raise Unstackable(f"the members' {self.names[k]} differ in shape, dtype or device")
+        stack = self.stacks[self.names[k]] = torch.stack([t.detach() for t in group])
+        for i, tensor in enumerate(group):
+            j = k * self.count + i
+            self._rows[j] = stack[i]  # one view each (unbind's views refuse in-place writes)
+            self._adopt(j, tensor)
+
+    def _adopt(self, j: int, tensor: torch.Tensor) -> None:
+        """Make `tensor` a view of row j, or copy it in every call if others share it."""
+        row = self._rows[j]
+        if _torch.storage_shared(tensor):
+            self._foreign.add(j)
+            self._expected[j] = _data_ptr(tensor)
+            return
+        try:
+            tensor.data = row
+        except RuntimeError:  # an inference tensor, say: it cannot be re-pointed
+            self._foreign.add(j)
+            self._expected[j] = _data_ptr(tensor)
+            return
+        self._foreign.discard(j)
+        self._expected[j] = _data_ptr(row)
+
+
+class _stacking:
+    """Stacks are written outside autograd, and are normal tensors even in inference mode."""
+
+    def __enter__(self) -> None:
+        # In this order: leaving inference mode turns grad mode back on.
+        self._modes = (torch.inference_mode(False), torch.no_grad())
+        for mode in self._modes:
+            mode.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+# ---- state dicts: an entry that is a row saves and copies as itself alone -------------
+
+
+def _mark_entries(
+    owner: weakref.ref[Storage],
+    module: torch.nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+) -> None:
+    storage = owner()
+    if storage is None or not storage.stacks:
+        return
+    for table in _torch.tensor_tables(module):
+        for key, own in table.items():
+            entry = state_dict.get(prefix + key)
+            # keep_vars=True hands out the member's own tensors: those are left alone.
+            if isinstance(entry, torch.Tensor) and entry is not own and storage.owns(entry):
+                ref = weakref.ref(entry)
+                setattr(entry, "__reduce_ex__", functools.partial(_reduce_alone, ref))  # noqa: B010
+                setattr(entry, "__deepcopy__", functools.partial(_copy_alone, ref))  # noqa: B010
+
+
+def _reduce_alone(ref: weakref.ref[torch.Tensor], protocol: int) -> Any:
+    # pickle and torch.save look __reduce_ex__ up on the object: this one reduces
+    # a copy of the row alone, not the view of the whole stack.
+    tensor = ref()
+    assert tensor is not None
+    return tensor.clone().__reduce_ex__(protocol)  # type: ignore[no-untyped-call]
+
+
+def _copy_alone(ref: weakref.ref[torch.Tensor], memo: dict[int, Any]) -> torch.Tensor:
+    tensor = ref()
+    assert tensor is not None
+    copied = memo[id(tensor)] = tensor.clone()
+    return copied
