@@ -46,8 +46,8 @@ def seen(tag: str) -> list[str]:
 def callee_leftovers() -> tuple[int, int, int]:
     """(other calls running, tombstones, locals alive) on this worker."""
     gc.collect()
-    others = [key for key in _cancel._running if _cancel._running[key] is not _cancel.current()]
-    return len(others), len(_cancel._tombstones), len(_alive)
+    held = _cancel.bookkeeping()  # leaves out this very call
+    return held["running"], held["tombstones"], len(_alive)
 
 
 async def hop(tag: str, to: str) -> str:

@@ -223,9 +223,11 @@ def test_a_failure_on_one_host_ends_the_workers_on_the_other(hosts: tuple[Host, 
     assert "worker0 fails on purpose" in results[0][2]
     report = "worker 'worker0' (rank 0, node "
     assert f"{report}" in results[0][2] and "raised RuntimeError" in results[0][2]
-    # Both workers of host 1 leave, each with the one report of what happened.
+    # Host 1's workers leave with the one report of what happened (the first to
+    # leave has its launcher stop the other, which may not have printed it yet).
     leaving = [line for line in results[1][2].splitlines() if "leaves the world" in line]
-    assert len(leaving) == 2 and all(report in line for line in leaving), results[1][2]
+    assert 1 <= len(leaving) <= 2, results[1][2]
+    assert all(report in line for line in leaving), results[1][2]
 
 
 SUPERVISED = str(PROGRAMS / "supervised.py")
@@ -248,7 +250,9 @@ def test_a_killed_worker_on_either_host_ends_both_launchers_naming_it(
     assert f"{killed}" in results[home][2] and "was killed by SIGKILL" in results[home][2]
     other = results[1 - home][2]
     leaving = [line for line in other.splitlines() if "leaves the world" in line]
-    assert len(leaving) == 2, other[-3000:]
+    # The first worker there to notice leaves, and its launcher then stops the
+    # other with SIGTERM, which may come before that one has noticed too.
+    assert 1 <= len(leaving) <= 2, other[-3000:]
     assert all(killed in line and "SIGKILL" in line for line in leaving), leaving
     assert after < 10, f"the launchers took {after:.1f} s to end after the kill"
     assert took < 45, f"the run took {took:.1f} s"

@@ -253,13 +253,12 @@ def send(call: Call, cancellable: bool = True) -> Future[Any]:
         raise_unsendable(exc, call.worker, call.label)
     if cancellable:
         # torch's operators run without a cancel key: a cancel fails the Future only.
-        sent = call.sent if func is not traced else call.sent._replace(key=0)
-        reply = Reply(sent)
+        reply = Reply(call.sent if func is not traced else call.sent._replace(key=0))
         _torch.add_callback(fut, reply)
-        fut = reply.future
+        fut = reply.future  # tagged with the Reply
     else:
         _torch.set_unwrap(fut, check_reply)
-    _torch.tag_future(fut, call.sent)
+        _torch.tag_future(fut, call.sent)
     if replied is not None:
         fut.add_done_callback(replied)
     if unwaited_logging():

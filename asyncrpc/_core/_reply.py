@@ -13,14 +13,14 @@ and whoever claims it first settles it::
                                                                         no      then the callee
                                                                         └─> False  is asked to stop
 
-One claim flag and one Python callback per call (benchmarks/call_overhead.py
-measures it). `rpc_sync` has nothing to cancel and reads torch's Future
-as before.
+The Reply is also the Future's tag (`_torch.tag_future`: where the call
+went, for naming and cancelling), so a call costs one claim token and one
+Python callback more than torch's own (benchmarks/call_overhead.py measures
+it). `rpc_sync` has nothing to cancel and reads torch's Future as before.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from torch.futures import Future
@@ -34,51 +34,54 @@ __all__ = ["Reply", "cancelled_here"]
 
 
 class Reply:
-    """Settles `future` once: with the reply of torch's Future, or with a cancel."""
+    """Settles `future` once: with the reply of torch's Future, or with a cancel.
 
-    __slots__ = ("__weakref__", "_lock", "_settled", "future", "sent")
+    Read as the call's `Sent` (worker, label, callee, key) by whoever names
+    or cancels it.
+    """
+
+    __slots__ = ("_token", "callee", "future", "key", "label", "worker")
 
     def __init__(self, sent: _cancel.Sent) -> None:
+        self.worker, self.label, self.callee, self.key = sent
         self.future: Future[Any] = new_future()
-        self.sent = sent
-        self._lock = threading.Lock()
-        self._settled = False
-        _torch.set_canceller(self.future, self.cancel)  # held weakly there
+        self._token = [True]  # popped once, by whoever settles (atomic under the GIL)
+        _torch.tag_future(self.future, self)
 
-    def _claim(self) -> bool:
-        with self._lock:
-            if self._settled:
-                return False
-            self._settled = True
-            return True
+    def _settle(self) -> Future[Any] | None:
+        try:
+            self._token.pop()
+        except IndexError:
+            return None
+        future = self.future
+        # The Future's tag is this Reply: holding the Future after it is settled
+        # would keep it alive for good (and torch may hold this Reply for long).
+        del self.future
+        return future
 
     def __call__(self, reply: Any) -> None:
         """torch's Future of the call completed: copy its outcome in, named."""
-        if not self._claim():
+        future = self._settle()
+        if future is None:
             return  # cancelled first: the value is dropped
         ok, outcome = _torch.outcome(reply)
         if not ok:
-            sent = self.sent
-            outcome = hold(name_failure(outcome, sent.worker, sent.label))
-        self.future.set_result(outcome)
+            outcome = hold(name_failure(outcome, self.worker, self.label))
+        future.set_result(outcome)
 
     def cancel(self) -> bool:
         """Fail the Future with CancelledError now; then ask the callee to stop the call."""
-        if not self._claim():
+        future = self._settle()
+        if future is None:
             return False
-        future = self.future
-        # torch's Future keeps this Reply until the callee answers, which may be
-        # never: the caller's Future must not wait with it.
-        del self.future
-        future.set_result(hold(cancelled_here(self.sent)))
-        if self.sent.key:  # torch's operators run without a key: nothing to stop there
-            _cancel.request(self.sent)
+        future.set_result(hold(cancelled_here(self.worker, self.label)))
+        if self.key:  # torch's operators run without a key: nothing to stop there
+            _cancel.request(_cancel.Sent(self.worker, self.label, self.callee, self.key))
         return True
 
 
-def cancelled_here(sent: _cancel.Sent) -> CancelledError:
+def cancelled_here(worker: str, label: object) -> CancelledError:
     """The caller's CancelledError for a call it cancelled."""
     return CancelledError(
-        f"the call to {label_of(sent.label)} on worker {sent.worker!r} was cancelled",
-        sent.worker,
+        f"the call to {label_of(label)} on worker {worker!r} was cancelled", worker
     )

@@ -508,6 +508,9 @@ def cancel(fut: Any) -> bool:
     tag, hooks = _tags.get(fut), _hooks
     if tag is None or hooks is None:
         return False
+    own_cancel = getattr(tag, "cancel", None)  # a call's Reply settles its own Future
+    if own_cancel is not None:
+        return bool(own_cancel())
     return hooks.cancel_call(tag)
 
 
