@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from asyncrpc._launch._liveness import Liveness, report_exits
+from asyncrpc._core._liveness import Liveness, report_exits
 
 NAMES = ("worker0", "worker1", "worker2")
 

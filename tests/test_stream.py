@@ -215,4 +215,4 @@ def test_streams_left_open_are_closed_when_the_world_ends(tmp_path: pathlib.Path
     assert done.returncode == 0, done.stderr[-3000:]
     assert "worker0 holds 2 open streams" in done.stdout, done.stdout
     closed = sorted(marker.read_text().splitlines())
-    assert closed == ["async generator closed", "def generator closed"], closed
+    assert closed == ["async generator closed on worker0", "def generator closed on worker0"]

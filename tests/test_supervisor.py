@@ -143,6 +143,27 @@ def test_a_script_without_the_main_guard_is_told_where_to_put_run() -> None:
     assert "before it could report an error" in done.stderr, done.stderr[-3000:]
 
 
+@pytest.mark.subprocess
+@pytest.mark.parametrize("how", ["function", "args"])
+def test_run_from_python_c_names_the_cause_and_the_fix(how: str) -> None:
+    # python -c (and notebooks, and the prompt) define main in a __main__ with no
+    # file: workers cannot import it, so run says so before starting any.
+    passed = "main, world_size=2" if how == "function" else "print, world_size=2, args=(P(),)"
+    program = (
+        "import asyncrpc\n"
+        "class P:\n    pass\n"
+        "def main(ctx):\n    print(ctx.name)\n"
+        f"asyncrpc.run({passed})\n"
+    )
+    done = run_program("python", "-c", program, timeout=60)
+    assert done.returncode != 0
+    named = "main" if how == "function" else "P"
+    assert f"but {named} is defined in a program that has no file" in done.stderr, done.stderr
+    assert "python -c, a notebook or the interactive prompt" in done.stderr
+    assert "%%writefile my_world.py" in done.stderr
+    assert "alive_r" not in done.stderr  # not multiprocessing's own main, as before
+
+
 def test_run_needs_a_size_without_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncrpc
 

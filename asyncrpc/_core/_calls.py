@@ -254,8 +254,9 @@ def send(call: Call, cancellable: bool = True) -> Future[Any]:
     if cancellable:
         # torch's operators run without a cancel key: a cancel fails the Future only.
         reply = Reply(call.sent if func is not traced else call.sent._replace(key=0))
+        out = reply.future  # tagged with the Reply; taken first: the reply may be in already
         _torch.add_callback(fut, reply)
-        fut = reply.future  # tagged with the Reply
+        fut = out
     else:
         _torch.set_unwrap(fut, check_reply)
         _torch.tag_future(fut, call.sent)

@@ -251,6 +251,7 @@ def wait_first(futs: Iterable[Future[Any]]) -> Future[Future[Any]]:
         raise ValueError("wait_first needs at least one Future, got none")
     out = Settle()
     _torch.combine(out.future, items)
+
     def first(done: Future[Any]) -> None:
         out.resolve(done)
 

@@ -32,6 +32,7 @@ from typing import Any, Generic, TypeVar, cast
 from torch.futures import Future
 
 from . import _calls, _torch, _world
+from ._errors import CancelledError, SerializationError
 from ._execution import start_coroutine
 from ._failures import Failure, capture, check_reply, label_of
 from ._futures import completed, new_future
@@ -92,13 +93,27 @@ class Stream(Generic[T]):
         self._buffer: collections.deque[Any] = collections.deque()
         self._pending: Future[Any] | None = None
         self._ended = False
+        self._closed = False  # by close(): a cancelled pull then reads as the end
         self._failure: Failure | None = None
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _close_remote, call)
         self._pull(opening=True)
 
     def __iter__(self) -> Iterator[T]:
-        return self
+        """The items, for a `for` loop: leaving the loop early (`break`, an error) closes it.
+
+        The loop's iterator is a generator that closes the stream when it is
+        closed or dropped, which CPython does as the loop ends.
+        """
+        try:
+            while True:
+                try:
+                    item = self.__next__()
+                except StopIteration:
+                    return
+                yield item
+        finally:
+            self.close()
 
     def __next__(self) -> T:
         while True:
@@ -110,13 +125,24 @@ class Stream(Generic[T]):
             try:
                 with _calls.holding_rpc_thread(self._call.worker, self._call.label):
                     reply = pending.wait()
-            except BaseException:
+            except BaseException as error:
+                if self._closed_here(error):
+                    raise StopIteration from None
                 self._abandon()
                 raise
             self._receive(pending, reply)
 
-    def __aiter__(self) -> AsyncIterator[T]:
-        return self
+    async def __aiter__(self) -> AsyncIterator[T]:
+        """The items, for `async for`: leaving the loop early closes the stream."""
+        try:
+            while True:
+                try:
+                    item = await self.__anext__()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            self.close()
 
     async def __anext__(self) -> T:
         while True:
@@ -127,20 +153,33 @@ class Stream(Generic[T]):
             assert pending is not None
             try:
                 reply = await cast(Awaitable[Any], pending)  # asyncrpc's __await__
-            except BaseException:
+            except BaseException as error:
+                if self._closed_here(error):
+                    raise StopAsyncIteration from None
                 self._abandon()
                 raise
             self._receive(pending, reply)
 
     def close(self) -> None:
-        """Close the remote generator (its `finally` runs) and stop pulling."""
+        """Close the remote generator (its `finally` runs) and stop pulling.
+
+        A consumer waiting for items in another thread wakes and sees the end.
+        """
         with self._lock:
             ended, self._ended = self._ended, True
+            self._closed = True
             self._buffer.clear()
+            pending = self._pending
+        if pending is not None:
+            _torch.cancel(pending)  # a reader blocked on it wakes (CancelledError)
         if not ended:
             self._finalizer()
         else:
             self._finalizer.detach()
+
+    def _closed_here(self, error: BaseException) -> bool:
+        """True when `error` is the wake-up of a pull that `close()` cancelled."""
+        return self._closed and isinstance(error, CancelledError)
 
     def _abandon(self) -> None:
         """A pull failed (a timeout, a dead producer): end here, and close the generator."""
@@ -192,7 +231,7 @@ class Stream(Generic[T]):
 
     def _pull(self, opening: bool) -> None:
         call = self._call
-        made = (call.func, tuple(call.args or ()), dict(call.kwargs or {}))
+        made = (call.func, tuple(call.args or ()), dict(call.kwargs or {}), label_of(call.label))
         args = (call.sent.key, made if opening else None, self._window - len(self._buffer))
         pull_call = _calls.check(
             "stream", call.worker, _pull, args, None, call.seconds, call.label
@@ -247,6 +286,8 @@ class _Producer:
         self.pump: Future[Any] | None = None  # an async pump's Task
         self.next_item: Future[Any] | None = None  # the item an async pump awaits
         self.thread: threading.Thread | None = None  # a generator's pump
+        self.made = 0  # items made so far
+        self.unsendable = False  # it yielded an item that cannot be pickled
 
     def pull(self, n: int) -> Future[Any]:
         with self.cond:
@@ -313,26 +354,27 @@ _torch.mark_async(_pull, _pull)
 
 
 def _open(
-    key: int, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    key: int, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], label: str
 ) -> _Producer | Failure:
+    """Start the generator of a stream; `label` names it as the caller wrote it."""
     try:
         gen = func(*args, **kwargs)
         if not (inspect.isgenerator(gen) or inspect.isasyncgen(gen)):
             raise TypeError(
                 f"asyncrpc.stream runs a generator function (def or async def with `yield`), "
-                f"but {label_of(func)} returned {type(gen).__name__}; yield the items, or call "
+                f"but {label} returned {type(gen).__name__}; yield the items, or call "
                 f"it with rpc_sync"
             )
     except Exception as exc:
-        return capture(exc, _world.describe_self(), func)
-    producer = _Producer(gen, func)
+        return capture(exc, _world.describe_self(), label)
+    producer = _Producer(gen, label)
     with _producers_lock:
         _producers[key] = producer
     _world.at_world_end(_close_all)
     if inspect.isasyncgen(gen):
         producer.pump = start_coroutine(_pump_async(producer), func)
     else:
-        name = f"asyncrpc-stream-{label_of(func)}"
+        name = f"asyncrpc-stream-{label}"
         producer.thread = threading.Thread(target=_pump, args=(producer,), name=name, daemon=True)
         producer.thread.start()
     return producer
@@ -352,11 +394,11 @@ def _pump(producer: _Producer) -> None:
                 item = next(producer.gen)
             except StopIteration:
                 break
-            producer.put(item)
+            producer.put(_sendable(item, producer))
     except Exception as exc:
         failure = capture(exc, _world.describe_self(), producer.label)
     finally:
-        if producer.closing:
+        if producer.closing or (isinstance(failure, Failure) and producer.unsendable):
             producer.gen.close()  # paused at its yield: GeneratorExit runs its finally
         producer.finish(failure)
 
@@ -372,14 +414,32 @@ async def _pump_async(producer: _Producer) -> None:
                 await cast(Awaitable[Any], credit)  # asyncrpc's __await__
                 continue
             producer.next_item = start_coroutine(_anext(producer.gen), producer.label)
-            producer.put(await cast(Awaitable[Any], producer.next_item))
+            producer.put(_sendable(await cast(Awaitable[Any], producer.next_item), producer))
     except StopAsyncIteration:
         pass
     except asyncio.CancelledError:  # closed: if it waited for credit, close it at its yield
         await producer.gen.aclose()
     except Exception as exc:
         failure = capture(exc, _world.describe_self(), producer.label)
+        if producer.unsendable:
+            await producer.gen.aclose()
     producer.finish(failure)
+
+
+def _sendable(item: Any, producer: _Producer) -> Any:
+    """`item`, once it is known to pickle: items travel together, and one that cannot
+    would fail the whole message, the items before it with it."""
+    try:
+        _torch.serialize(item)
+    except Exception as exc:
+        producer.unsendable = True
+        raise SerializationError(
+            f"{producer.label} yielded an item that cannot be sent (item {producer.made + 1}, "
+            f"a {type(item).__name__}: {type(exc).__name__}: {exc}); the items before it "
+            f"were delivered, and the stream ends here"
+        ) from exc
+    producer.made += 1
+    return item
 
 
 async def _anext(gen: Any) -> Any:

@@ -23,7 +23,6 @@ import contextlib
 import functools
 import importlib
 import inspect
-import operator
 import os
 import re
 import sys
@@ -94,12 +93,12 @@ __all__ = [
     "rref_future",
     "send_python",
     "send_torch",
+    "serialize",
     "set_canceller",
     "set_unwrap",
     "storage_shared",
     "tag_future",
     "tensor_tables",
-    "tensor_versions",
     "uninstall",
     "watch_agent_failures",
     "watch_unread",
@@ -222,6 +221,11 @@ def send_torch(to: Any, func: Callable[..., Any], args: Any, kwargs: Any, timeou
     if pending and pending[-1] is fut:
         pending.pop()  # torch's rpc_async collects; asyncrpc's rpc_sync must not
     return fut
+
+
+def serialize(obj: Any) -> None:
+    """Pickle `obj` as torch's RPC would (tensors aside, uncopied); raise what it raises."""
+    _rpc_api._default_pickler.serialize(obj)  # type: ignore[no-untyped-call]
 
 
 def collect_for_wait_all(fut: Any) -> None:
@@ -865,14 +869,6 @@ def storage_shared(tensor: torch.Tensor) -> bool:
     """
     storage = tensor.untyped_storage()
     return int(torch._C._storage_Use_Count(storage._cdata)) > 2
-
-
-_version_of = operator.attrgetter("_version")
-
-
-def tensor_versions(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    """How many times each tensor was changed in place (an optimizer step bumps it)."""
-    return tuple(map(_version_of, tensors))
 
 
 def interop_pool_started() -> bool:

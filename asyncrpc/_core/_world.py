@@ -32,9 +32,15 @@ import torch.distributed.rpc as rpc
 from . import _cancel, _net, _rendezvous, _threadstates, _torch
 from ._cancel import Sent
 from ._context import Context, Settings, names_for, resolve_world_size
-from ._errors import AsyncRPCError, NotInitializedError, WorldSizeMismatchError
+from ._errors import (
+    AsyncRPCError,
+    NotInitializedError,
+    WorkerUnreachableError,
+    WorldSizeMismatchError,
+)
 from ._failures import check_reply, hold, name_failure
 from ._futures import await_future
+from ._liveness import Liveness
 from ._torch import PrefixStore, Store, WorkerInfo
 from ._unwaited import log_unwaited_failures
 
@@ -54,6 +60,7 @@ class World:
     restore: list[tuple[str, str | None]] = dataclasses.field(default_factory=list)
     intra_op_before: int | None = None
     froze_gc: bool = False  # this world froze the heap (gc.freeze); its shutdown thaws it
+    liveness: Liveness | None = None  # the peers' heartbeats (launched and init worlds)
     # torch's WorkerInfo per name, filled on first use: handing torch a WorkerInfo
     # spares it a lookup by name on every call.
     infos: dict[str, WorkerInfo] = dataclasses.field(default_factory=dict)
@@ -219,7 +226,10 @@ def init(
             "port where rank 0 hosts the rendezvous store"
         )
     worker_name = name or names_for(size, roles)[rank]
-    return start(rank, size, worker_name, addr, port, settings, roles=roles, hosts_store=hosts)
+    return start(
+        rank, size, worker_name, addr, port, settings, roles=roles, hosts_store=hosts,
+        watch_peers=True,
+    )  # fmt: skip
 
 
 def start(
@@ -233,8 +243,14 @@ def start(
     roles: Mapping[str, int] | None = None,
     hosts_store: bool,
     attempt: int | None = None,
+    watch_peers: bool = False,
 ) -> Context:
-    """Start RPC with everything resolved; `init` and `run` both end here."""
+    """Start RPC with everything resolved; `init` and `run` both end here.
+
+    `watch_peers`: beat in the store and watch the peers' beats (`_liveness`);
+    a failure is recorded (`current_liveness().failure`), and a graceful
+    shutdown raises it instead of waiting for a dead peer.
+    """
     global _world, _was_shut_down
     with _lock:
         if _world is not None or _torch.agent_running():
@@ -266,11 +282,18 @@ def start(
             if settings.keep_thread_states:
                 _threadstates.keep(context.name, settings.num_worker_threads)
             _cancel.watch()
+            if watch_peers:
+                world.liveness = Liveness(
+                    store, rank, names, str(attempt), timeout=settings.heartbeat_timeout,
+                    on_failure=_recorded,
+                ).start()  # fmt: skip
             if settings.freeze_gc and gc.get_freeze_count() == 0:  # a program's own: kept
                 gc.freeze()
                 world.froze_gc = True
         except BaseException:
             _world = None
+            if world.liveness is not None:
+                world.liveness.stop(left=False)
             _put_back(world)
             _torch.uninstall()
             raise
@@ -377,6 +400,11 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     `init`/`run` world it also puts back what `init` changed. Either way it
     removes what asyncrpc patched into torch. Does nothing when no world runs.
 
+    In a world joined with `init`, a graceful shutdown waits for the other
+    workers as long as they live: a peer that died (it stopped beating in the
+    world's store for `heartbeat_timeout` s) makes it leave without waiting
+    and raise `WorkerUnreachableError` naming that peer.
+
     Example::
 
         ctx = asyncrpc.init()
@@ -385,24 +413,63 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         finally:
             asyncrpc.shutdown()
     """
-    global _world, _adopted, _was_shut_down
+    global _was_shut_down
     with _lock:
         world = _world
+        dead_peer = None
         try:
             if world is not None or _torch.agent_running():
+                if graceful and world is not None and world.liveness is not None:
+                    dead_peer = world.liveness.meet_to_leave(timeout)
                 # A graceful shutdown still serves peers' calls while it waits, so the
                 # world stays visible to them (current_context, call checks) until it ends.
-                rpc.shutdown(graceful=graceful, timeout=timeout)
+                rpc.shutdown(graceful=graceful and dead_peer is None, timeout=timeout)
                 _was_shut_down = True
         finally:
-            _world = _adopted = None
-            _cancel.stop_watching()  # it served cancels while the shutdown served calls
-            _threadstates.forget()
-            if world is not None:
-                _put_back(world)
-            _torch.uninstall()
-            for release in list(_at_end):
-                release()
+            _end_world(world, left=dead_peer is None)
+    if dead_peer is not None:
+        raise WorkerUnreachableError(
+            f"shutdown did not wait for every worker: {dead_peer}; this worker left the "
+            f"world without it (graceful=False)",
+            _dead_name(dead_peer),
+        )
+
+
+def _end_world(world: World | None, left: bool) -> None:
+    """Undo what the world set up, after torch's agent has stopped."""
+    global _world, _adopted
+    try:
+        # What ends with the world (streams' generators: their `finally` blocks)
+        # still sees it: current_context() works there, in a world torch started too.
+        if _world is None and _adopted is not None:
+            _world = _adopted[1]
+        for release in list(_at_end):
+            release()
+    finally:
+        _world = _adopted = None
+        if world is not None and world.liveness is not None:
+            world.liveness.stop(left=left)
+        _cancel.stop_watching()  # it served cancels while the shutdown served calls
+        _threadstates.forget()
+        if world is not None:
+            _put_back(world)
+        _torch.uninstall()
+
+
+def _recorded(failure: str) -> None:
+    """An `init` world's liveness only records a failure (see `shutdown`)."""
+
+
+def _dead_name(record: str) -> str:
+    # A liveness record starts "worker 'name' (rank r, ...": the name, or "".
+    parts = record.split("'")
+    return parts[1] if record.startswith("worker '") and len(parts) > 2 else ""
+
+
+def current_liveness() -> Liveness | None:
+    """The running world's liveness watch, if it has one."""
+    world = _world
+    return world.liveness if world is not None else None
 
 
 _at_end: list[Callable[[], None]] = []

@@ -74,8 +74,7 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
             f"the {BACKEND!r} rendezvous needs a port in --rdzv-endpoint HOST:PORT, "
             f"got {params.endpoint!r}"
         )
-    from .._core import _torch
-    from . import _liveness
+    from .._core import _liveness, _torch
 
     rank = int(params.config["rank"])
     timeout = int(params.config.get("timeout", _DEFAULT_TIMEOUT_S))

@@ -22,11 +22,14 @@ silent peer ends the world on every node, or restarts it (the launcher's
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -36,7 +39,7 @@ from typing import Any
 
 from .._core import _context, _rendezvous, _world
 from .._core._errors import WorkerFailedError, WorkerUnreachableError
-from ._liveness import Liveness
+from .._core._liveness import leave_world
 
 __all__ = ["run"]
 
@@ -143,9 +146,13 @@ def _run_launched(
     settings: _context.Settings,
 ) -> None:
     ctx = _world.init(world_size=world_size, roles=roles, **_as_options(settings))
-    # Keyed by attempt, as torchrun's agent keys its reports (_torch.watch_agent_failures).
-    store, tag = _world.current_store(), str(ctx.attempt)
-    live = Liveness(store, ctx.rank, ctx.names, tag, timeout=settings.heartbeat_timeout).start()
+    # The world's liveness (keyed by attempt, as torchrun's agent keys its reports):
+    # launched, a failure anywhere ends this worker too.
+    live = _world.current_liveness()
+    assert live is not None
+    live.on_failure = leave_world
+    if live.failure is not None:
+        leave_world(live.failure)
     try:
         main(ctx, *args)
     except BaseException as error:
@@ -187,22 +194,28 @@ def _run_embedded(
     procs: list[BaseProcess] = []
     errors: list[multiprocessing.connection.Connection] = []
     outputs = _caller_output() if settings.start_method == "forkserver" else (None, None)
+    # Each worker reads `alive` until this process ends, however it ends (SIGKILL
+    # too): then the read sees the end of the pipe, and the worker stops itself.
+    alive, held = spawner.Pipe(duplex=False)
     try:
         for rank in range(world_size):
             reader, writer = spawner.Pipe(duplex=False)
             spec = (rank, world_size, names[rank], host, store.port, settings, roles, attempt,
-                    dict(os.environ), outputs)  # fmt: skip
+                    dict(os.environ), outputs, alive)  # fmt: skip
             proc = spawner.Process(target=_worker, args=(payload, spec, writer), name=names[rank])
             proc.start()
             writer.close()
             procs.append(proc)
             errors.append(reader)
         _close_outputs(outputs)  # every worker has its own copy by now
+        alive.close()
         return _supervise(procs, errors, names, grace)
     except BaseException:
         _close_outputs(outputs)
         _stop(procs)
         raise
+    finally:
+        held.close()
 
 
 # What the warm interpreter imports once, before it forks any worker. Not the script:
@@ -254,14 +267,41 @@ def _write_to(outputs: tuple[Connection | None, ...]) -> None:
 
 
 def _pickled_main(main: Callable[..., object], args: tuple[Any, ...]) -> bytes:
+    buffer = io.BytesIO()
+    pickler = _MainFinder(buffer)
     try:
-        return pickle.dumps((main, args))
+        pickler.dump((main, args))
     except Exception as exc:
         raise TypeError(
             f"asyncrpc.run sends main and args to each worker process, but they cannot be "
             f"pickled ({type(exc).__name__}: {exc}); pass module-level functions and "
             f"classes, and plain data or tensors as args"
         ) from exc
+    if pickler.found and not getattr(sys.modules.get("__main__"), "__file__", None):
+        raise TypeError(
+            f"asyncrpc.run starts worker processes that import main and args by name, but "
+            f"{', '.join(sorted(pickler.found))} is defined in a program that has no file "
+            f"(python -c, a notebook or the interactive prompt), which they cannot import; "
+            f"put main (and what args holds) in a .py file and run that file, or import "
+            f"them from a module (in a notebook: %%writefile my_world.py, then "
+            f"`from my_world import main`)"
+        )
+    return buffer.getvalue()
+
+
+class _MainFinder(pickle.Pickler):
+    """Pickles as usual, noting every function, class or instance's class of `__main__`."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.found: set[str] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Functions and classes by their own name; any other object by its class's.
+        named = obj if hasattr(obj, "__qualname__") else type(obj)
+        if getattr(named, "__module__", None) == "__main__":
+            self.found.add(str(named.__qualname__))
+        return NotImplemented
 
 
 def _load_main(payload: bytes) -> tuple[Callable[..., object], tuple[Any, ...]]:
@@ -280,7 +320,8 @@ def _load_main(payload: bytes) -> tuple[Callable[..., object], tuple[Any, ...]]:
 def _worker(
     payload: bytes, spec: tuple[Any, ...], errors: multiprocessing.connection.Connection
 ) -> None:
-    rank, world_size, name, host, port, settings, roles, attempt, environ, outputs = spec
+    rank, world_size, name, host, port, settings, roles, attempt, environ, outputs, alive = spec
+    _watch_parent(alive)
     # Forked from the warm interpreter, a worker has that interpreter's environment and
     # output: take the caller's as they are now, as a spawned worker would.
     os.environ.clear()
@@ -319,6 +360,25 @@ def _worker(
         sys.stderr.flush()
         # A failed agent can leave threads that block a normal interpreter exit.
         os._exit(1)
+
+
+def _watch_parent(alive: Connection) -> None:
+    """Stop this worker as the supervisor would (SIGTERM, then SIGKILL) once it has ended.
+
+    A worker's parent is the forkserver, which outlives a killed supervisor
+    while its workers live; the pipe `alive` ends with the supervisor itself.
+    """
+
+    def watch() -> None:
+        try:
+            alive.recv_bytes()  # nothing is ever sent: this returns when the writer is gone
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(_KILL_AFTER_S)  # a program's own SIGTERM handler had its chance
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="asyncrpc-parent-watch", daemon=True).start()
 
 
 def _supervise(

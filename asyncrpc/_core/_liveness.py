@@ -1,4 +1,4 @@
-"""Peer liveness in a launched world: heartbeats in the store the world already has.
+"""Peer liveness: heartbeats in the store the world already has (launched and `init` worlds).
 
 A launcher stops the workers on its own node when one dies, but nothing tells
 the workers on other nodes, and torch's RPC only notices a dead peer when a
@@ -15,6 +15,12 @@ watches everyone else's beat, with or without calls in flight::
 A worker that raises writes the same `failed` record itself (`report`), and
 one that finishes marks `left/r` before it stops beating. If the store itself
 is gone (node 0 ended), the world is over and every worker leaves.
+
+In a world joined with `init` (processes the program manages) a failure is
+only recorded: calls to the dead peer fail on their own, and a graceful
+shutdown, which would otherwise wait for it forever, raises instead
+(`meet_to_leave`): every worker counts itself leaving in the store, and the
+wait for the others ends with the first failure seen.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from .._core._errors import describe_exit
-from .._core._torch import PrefixStore, Store
+from ._errors import describe_exit
+from ._torch import PrefixStore, Store
 
-__all__ = ["Liveness", "describe", "report_exits"]
+__all__ = ["Liveness", "describe", "leave_world", "report_exits"]
 
 INTERVAL_S = 0.5
 TIMEOUT_S = 3.0
+_LEAVING_POLL_S = 0.05
 # Raised by a store operation when the process hosting the store has ended.
 _STORE_GONE = (RuntimeError, dist.DistNetworkError)
 
@@ -68,7 +75,8 @@ class Liveness:
         self.space = _space(store, tag)
         self.rank, self.names = rank, names
         self.interval, self.timeout = interval, timeout
-        self.on_failure = on_failure or _leave
+        self.on_failure = on_failure or leave_world
+        self.failure: str | None = None  # the first failure seen, once one is
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="asyncrpc-liveness", daemon=True)
         self.space.set(f"node/{rank}", describe(names[rank], rank))
@@ -115,8 +123,29 @@ class Liveness:
             if record is not None:
                 with contextlib.suppress(*_STORE_GONE):
                     self.space.set(f"seen/{self.rank}", "1")  # the reporting launcher waits
+                self.failure = record
                 self.on_failure(record)
                 return
+
+    def meet_to_leave(self, timeout: float = 0) -> str | None:
+        """Count this worker leaving; wait until every worker is, or a failure is seen.
+
+        Returns the failure (a peer stopped beating: killed, or hung), or None
+        when all are leaving. `timeout` > 0 bounds the wait (then None: the
+        shutdown that follows reports its own timeout); 0 waits while peers live.
+        """
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        try:
+            self.space.add("leaving", 1)
+            while int(self.space.add("leaving", 0)) < len(self.names):
+                if self.failure is not None:
+                    return self.failure
+                if deadline is not None and time.monotonic() > deadline:
+                    return None
+                time.sleep(_LEAVING_POLL_S)
+        except _STORE_GONE:
+            return None  # the store's host has left: the world is over for everyone
+        return None
 
     def _check(self, beats: dict[str, int], last: dict[int, tuple[bytes, float]]) -> str | None:
         if self.space.check(["failed"]):
@@ -177,7 +206,8 @@ def _wait_for(space: Store, keys: list[str], timeout: float) -> None:
             time.sleep(0.05)
 
 
-def _leave(record: str) -> None:
+def leave_world(record: str) -> None:
+    """Print `record` and end this process at once (a launched world's failure)."""
     print(f"asyncrpc: {record}; this worker leaves the world", file=sys.stderr, flush=True)
     sys.stdout.flush()
     # The main thread may be blocked in torch (a call, the shutdown barrier).

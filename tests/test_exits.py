@@ -1,0 +1,112 @@
+"""Every way a world's parent can end leaves no process behind (checked on the process tree).
+
+SIGTERM is what `timeout`, `kill`, SLURM and Kubernetes send; SIGKILL is the
+OOM killer's; SIGINT is Ctrl-C. Whichever ends the parent of an embedded
+world, its workers, the forkserver and multiprocessing's resource tracker end
+within a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import PROGRAMS, ROOT
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live (not zombie) process."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":  # a zombie has ended; only its reaping is left
+            found[int(entry)] = int(fields[1])
+    return found
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`."""
+    parents, found, frontier = _parents(), set(), {pid}
+    while frontier:
+        children = {p for p, parent in parents.items() if parent in frontier}
+        frontier = children - found
+        found |= children
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    return pids & set(_parents())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT], ids=str)
+def test_the_parent_of_a_world_ending_by_any_signal_leaves_no_process(sig: int) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, str(PROGRAMS / "parent_dies.py")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert parent.stdout is not None
+    workers = set()
+    try:
+        while len(workers) < 3:
+            line = parent.stdout.readline()
+            assert line, "the world ended before its workers started"
+            if line.startswith("WORKER "):
+                workers.add(int(line.split()[2]))
+        tree = descendants(parent.pid)
+        assert workers <= tree and len(tree) >= 5, tree  # workers, forkserver, tracker
+        os.kill(parent.pid, sig)
+        parent.wait(30)
+        deadline = time.monotonic() + 8
+        while alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(tree), {p: open(f"/proc/{p}/cmdline").read()[:80] for p in alive(tree)}
+    finally:
+        for pid in [parent.pid, *descendants(parent.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_an_init_worlds_shutdown_with_a_dead_peer_raises_within_its_bound() -> None:
+    from conftest import free_port
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(PROGRAMS / "dead_peer_shutdown.py"), str(rank), str(port)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+        procs[1].kill()
+        procs[1].wait(10)
+        out, err = procs[0].communicate("go\n", timeout=30)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert procs[0].returncode == 0, err[-2000:]
+    assert "RAISED WorkerUnreachableError name=worker1" in out, out + err[-2000:]
+    took = float(out.split(" after ")[1].split()[0])
+    assert took < 3.0 + 5.0, out  # heartbeat_timeout (3 s) and the time to notice
+    assert "stopped beating" in out, out

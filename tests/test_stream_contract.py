@@ -1,0 +1,222 @@
+"""Streams keep the README's promises: break closes, items before a bad one arrive, errors
+name the generator, close() wakes a waiting reader, a generator's finally sees its world.
+
+A hypothesis state machine opens streams from real workers and breaks, closes,
+reads, fails and sends unpicklable items at random; every stream must give
+the items in order, end as its generator ended, and leave no generator open.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+import asyncrpc
+from asyncrpc._core import _stream
+
+pytestmark = pytest.mark.timeout(180)
+
+_closed: dict[str, int] = {}  # on the producer: tag -> how often its finally ran
+_lock = threading.Lock()
+
+
+def closed(tag: str) -> int:
+    with _lock:
+        return _closed.get(tag, 0)
+
+
+def open_producers() -> int:
+    return _stream.open_producers()
+
+
+def numbers(tag: str, n: int, bad_at: int = -1, fail_at: int = -1) -> Iterator[Any]:
+    """0..n-1; an unpicklable item at `bad_at`, a KeyError at `fail_at`."""
+    try:
+        for i in range(n):
+            if i == fail_at:
+                raise KeyError(f"{tag} failed at {i}")
+            yield threading.Lock() if i == bad_at else i
+    finally:
+        with _lock:
+            _closed[tag] = _closed.get(tag, 0) + 1
+
+
+def stuck(tag: str) -> Iterator[int]:
+    try:
+        yield 0
+        time.sleep(30)
+        yield 1
+    finally:
+        with _lock:
+            _closed[tag] = _closed.get(tag, 0) + 1
+
+
+def plain() -> list[int]:
+    return [1, 2]
+
+
+class Plain:
+    def plain(self) -> list[int]:
+        return [1, 2]
+
+
+def _until(predicate: Any, seconds: float = 10.0) -> Any:
+    deadline = time.monotonic() + seconds
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.02)
+
+
+def test_breaking_out_of_a_for_loop_closes_the_stream(world: asyncrpc.Context) -> None:
+    s = asyncrpc.stream("worker1", numbers, args=("broken", 1000))
+    for item in s:
+        assert item == 0
+        break
+    # `s` is still alive here: the loop's end closed it, not its collection
+    assert _until(lambda: asyncrpc.rpc_sync("worker1", closed, args=("broken",)) == 1)
+    assert list(s) == []  # closed: it yields nothing more
+    del s
+
+
+def test_items_before_an_unpicklable_one_arrive_then_the_error_names_the_generator(
+    world: asyncrpc.Context,
+) -> None:
+    got: list[int] = []
+    s = asyncrpc.stream("worker1", numbers, args=("unpicklable", 10, 2), window=32)
+    with pytest.raises(asyncrpc.SerializationError, match=r"numbers\(\) yielded an item") as err:
+        for item in s:
+            got.append(item)
+    assert got == [0, 1]
+    assert "item 3, a lock" in str(err.value)
+    assert _until(lambda: asyncrpc.rpc_sync("worker1", closed, args=("unpicklable",)) == 1)
+
+
+def test_a_handles_stream_of_a_method_that_is_no_generator_names_the_method(
+    world: asyncrpc.Context,
+) -> None:
+    handle = asyncrpc.spawn("worker1", Plain)
+    with pytest.raises(TypeError, match=r"Plain\.plain\(\) returned list"):
+        list(handle.stream("plain"))
+    with pytest.raises(TypeError, match=r"plain\(\) returned list"):
+        list(asyncrpc.stream("worker1", plain))
+
+
+def test_close_from_another_thread_wakes_a_blocked_reader(world: asyncrpc.Context) -> None:
+    s = asyncrpc.stream("worker1", stuck, args=("woken",), window=1)
+    assert next(s) == 0
+    outcome: list[object] = []
+
+    def read() -> None:
+        try:
+            outcome.append(next(s))  # the generator sleeps: this blocks
+        except StopIteration:
+            outcome.append("ended")
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    s.close()
+    reader.join(5)
+    assert outcome == ["ended"] and time.monotonic() - started < 2.0
+
+
+class StreamRace(RuleBasedStateMachine):
+    """Random streams, reads, breaks, closes and failures; each keeps its promises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams: list[dict[str, Any]] = []
+        self.count = 0
+
+    @rule(
+        n=st.integers(0, 40),
+        window=st.integers(1, 8),
+        trouble=st.sampled_from(["none", "none", "bad", "fail"]),
+        at=st.integers(0, 40),
+    )
+    def open(self, n: int, window: int, trouble: str, at: int) -> None:
+        self.count += 1
+        tag = f"race-{id(self)}-{self.count}"
+        bad, fail = (at if trouble == "bad" else -1), (at if trouble == "fail" else -1)
+        s = asyncrpc.stream("worker2", numbers, args=(tag, n, bad, fail), window=window)
+        self.streams.append(
+            {"s": s, "tag": tag, "n": n, "bad": bad, "fail": fail, "next": 0, "done": False}
+        )
+
+    @precondition(lambda self: any(not x["done"] for x in self.streams))
+    @rule(index=st.integers(0, 50), k=st.integers(1, 12))
+    def read(self, index: int, k: int) -> None:
+        entry = self._pick(index)
+        for _ in range(k):
+            if not self._next(entry):
+                return
+
+    @precondition(lambda self: any(not x["done"] for x in self.streams))
+    @rule(index=st.integers(0, 50))
+    def break_loop(self, index: int) -> None:
+        entry = self._pick(index)
+        for item in entry["s"]:
+            assert item == entry["next"]
+            break
+        entry["done"] = True
+
+    @precondition(lambda self: any(not x["done"] for x in self.streams))
+    @rule(index=st.integers(0, 50))
+    def close(self, index: int) -> None:
+        entry = self._pick(index)
+        entry["s"].close()
+        entry["done"] = True
+
+    def _pick(self, index: int) -> dict[str, Any]:
+        live = [x for x in self.streams if not x["done"]]
+        return live[index % len(live)]
+
+    def _next(self, entry: dict[str, Any]) -> bool:
+        expected = entry["next"]
+        ends = [e for e in (entry["n"], entry["bad"], entry["fail"]) if e >= 0]
+        try:
+            item = next(entry["s"])
+        except StopIteration:
+            assert expected == entry["n"] and min(ends) == entry["n"], entry
+            entry["done"] = True
+            return False
+        except asyncrpc.SerializationError:
+            assert expected == entry["bad"] == min(ends), entry
+            entry["done"] = True
+            return False
+        except KeyError:
+            assert expected == entry["fail"] == min(ends), entry
+            entry["done"] = True
+            return False
+        assert item == expected, (item, entry)
+        entry["next"] += 1
+        return True
+
+    def teardown(self) -> None:
+        for entry in self.streams:
+            entry["s"].close()
+        for entry in self.streams:  # every generator that started ran its finally
+            tag = entry["tag"]
+            assert _until(lambda t=tag: asyncrpc.rpc_sync("worker2", closed, args=(t,)) <= 1)
+        assert _until(lambda: asyncrpc.rpc_sync("worker2", open_producers) == 0)
+
+
+@pytest.mark.usefixtures("world")
+def test_random_reads_breaks_closes_and_failures_keep_every_streams_promises() -> None:
+    run = settings(
+        max_examples=12,
+        stateful_step_count=10,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )(StreamRace)
+    run.TestCase().runTest()
