@@ -3,8 +3,10 @@
 Eight critics of one architecture, as in ensemble RL (clipped double-Q,
 REDQ): `asyncrpc.Fanout(members, engine="vmap")` runs them as one batched
 GEMM per layer over their stacked weights. The script checks the outputs
-against the members run one by one, takes an optimizer step on the
-members themselves and shows the next call sees it, and times both ways.
+against the members run one by one, takes a fused Adam step on the members
+themselves and a Polyak update of a target ensemble (`.data` writes, which
+torch does not count as changes), shows the next stacked calls see both,
+and times both ways.
 
     python examples/q_ensemble.py
 """
@@ -50,7 +52,8 @@ def main() -> None:
     print(f"plan: {q.plan}; {MEMBERS} outputs equal to the members' own: {same}")
 
     # A training step on the members themselves: the next stacked call sees it.
-    optimizer = torch.optim.SGD([p for c in critics for p in c.parameters()], lr=0.1)
+    params = [p for c in critics for p in c.parameters()]
+    optimizer = torch.optim.Adam(params, lr=0.01, fused=True)  # no version counter bump
     loss = torch.stack(q(state_action)).pow(2).mean()  # gradients reach every member
     loss.backward()
     optimizer.step()
@@ -58,7 +61,23 @@ def main() -> None:
         after = q(state_action)
         now = [c(state_action) for c in critics]
     seen = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(after, now, strict=True))
-    print(f"after one SGD step on the members: stacked call sees it: {seen}")
+    print(f"after one fused Adam step on the members: stacked call sees it: {seen}")
+
+    # The target network's Polyak update, through .data: the target ensemble sees it.
+    targets = [critic() for _ in range(MEMBERS)]
+    q_target = asyncrpc.Fanout(targets, engine="vmap")
+    tau = 0.005
+    with torch.no_grad():
+        q_target(state_action)  # the first call runs the members one by one, then stacks
+        for t, c in zip(targets, critics, strict=True):
+            for tp, p in zip(t.parameters(), c.parameters(), strict=True):
+                tp.data.mul_(1 - tau).add_(tau * p.data)
+        stacked_target = q_target(state_action)
+        own_target = [t(state_action) for t in targets]
+    polyak = all(
+        torch.allclose(a, b, atol=1e-6) for a, b in zip(stacked_target, own_target, strict=True)
+    )
+    print(f"after a Polyak update of the target ensemble: stacked call sees it: {polyak}")
 
     with torch.no_grad():
         serial = seconds_per_call(lambda: [c(state_action) for c in critics])

@@ -21,6 +21,10 @@ CASES = {
         ["--calls", "100", "--rounds", "1"],
         ["rpc_sync", "rpc_async x 100, wait_all"],
     ),
+    "cancel_bookkeeping": (
+        ["--blocks", "2", "--per-block", "300"],
+        ["CPU per block, last / first"],
+    ),
     "async_execution": (
         ["--calls", "20", "--rounds", "1", "--nested", "40", "--work-ms", "0"],
         ["1. chained add call path", "2. then-chain vs async def"],

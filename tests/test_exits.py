@@ -9,6 +9,7 @@ within a few seconds.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,13 +59,12 @@ def test_the_parent_of_a_world_ending_by_any_signal_leaves_no_process(sig: int) 
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     assert parent.stdout is not None
-    workers = set()
+    workers: set[int] = set()
     try:
         while len(workers) < 3:
             line = parent.stdout.readline()
             assert line, "the world ended before its workers started"
-            if line.startswith("WORKER "):
-                workers.add(int(line.split()[2]))
+            workers |= {int(pid) for pid in re.findall(r"WORKER \d+ (\d+)", line)}
         tree = descendants(parent.pid)
         assert workers <= tree and len(tree) >= 5, tree  # workers, forkserver, tracker
         os.kill(parent.pid, sig)

@@ -339,5 +339,6 @@ def test_the_q_ensemble_example_checks_itself() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "plan: vmap (" in done.stdout, done.stdout
     assert "8 outputs equal to the members' own: True" in done.stdout, done.stdout
-    assert "stacked call sees it: True" in done.stdout, done.stdout
+    assert "fused Adam step on the members: stacked call sees it: True" in done.stdout
+    assert "Polyak update of the target ensemble: stacked call sees it: True" in done.stdout
     assert re.search(r"one by one \d+ us, vmap engine \d+ us per call", done.stdout)

@@ -13,7 +13,8 @@ import asyncrpc
 
 
 def main(ctx: asyncrpc.Context) -> None:
-    print(f"WORKER {ctx.rank} {os.getpid()}", flush=True)
+    # One write per line: the workers share the parent's output.
+    os.write(1, f"WORKER {ctx.rank} {os.getpid()}\n".encode())
     time.sleep(300)
 
 
