@@ -250,3 +250,20 @@ def test_a_tensor_that_shares_memory_with_the_users_stays_shared() -> None:
     mine.add_(0.25)  # written through the user's own tensor
     _same(fan, members, x)
     assert members[1][2].weight.data_ptr() == mine.data_ptr()
+
+
+def test_two_fanouts_over_the_same_members_share_one_stack() -> None:
+    members = _members()
+    first = asyncrpc.Fanout(members, engine="vmap")
+    second = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(4, 8)
+    for fan in (first, second, first, second):
+        _same(fan, members, x)
+    assert first._stacked is not None and second._stacked is not None
+    assert first._stacked.storage is second._stacked.storage  # no tug of war per call
+    pointer = members[0][0].weight.data_ptr()
+    first.close()  # the other still uses the stack: the members stay its rows
+    assert members[0][0].weight.data_ptr() == pointer
+    _same(second, members, x)
+    second.close()  # the last one out gives the members memory of their own
+    assert members[0][0].weight.untyped_storage().nbytes() == 16 * 8 * 4

@@ -38,7 +38,7 @@ from .._core import _torch
 from ._attributes import Attributes
 from ._check import RANDOM_REASON, Calls, deterministic, first_line, leaves, replay
 from ._decline import Declined, chain_of
-from ._storage import Storage, Unstackable
+from ._storage import Storage, Unstackable, storage_for
 
 __all__ = ["Stacked"]
 
@@ -79,7 +79,7 @@ class Stacked:
         """Give the members memory of their own again (the engine is no longer used)."""
         storage, self.storage = self.storage, None
         if storage is not None:
-            storage.release()
+            storage.leave()
 
     def _stackable_now(self) -> bool:
         if _torch.global_forward_hooks():  # nn.modules.module.register_module_forward_hook
@@ -107,7 +107,7 @@ class Stacked:
             reason = self._check(copies, inputs)
             if reason is not None:
                 raise Declined(reason, results)
-            self.storage = Storage(self.members)
+            self.storage = storage_for(self.members)
             return results
 
     def _check(self, copies: list[list[torch.nn.Module]], inputs: list[Calls]) -> str | None:

@@ -18,6 +18,10 @@ then it is copied into its row before every call, and the member keeps
 sharing. `release` gives each member memory of its own again (the Fanout
 closed or collected, the engine declined or not chosen).
 
+Several `Fanout`s over the same members, in the same order, share one
+Storage (`storage_for`; the last to leave releases it): two stacks would
+take the members' tensors from each other on every call.
+
 What aliasing would change for a member, and what is done about it:
   - `torch.save(member.state_dict())` and `copy.deepcopy` of its entries would
     write or copy the whole stack: a state-dict hook marks the entries so
@@ -40,7 +44,7 @@ import torch
 
 from .._core import _torch
 
-__all__ = ["Storage", "Unstackable"]
+__all__ = ["Storage", "Unstackable", "storage_for"]
 
 
 class Unstackable(Exception):
@@ -77,6 +81,8 @@ class Storage:
 
     def __init__(self, members: Sequence[torch.nn.Module]) -> None:
         self.count = len(members)
+        self.member_refs = [weakref.ref(m) for m in members]
+        self.users = 0  # the engines that use it (storage_for, leave)
         per_member = [slots_of(m) for m in members]
         self.names = [slot.name for slot in per_member[0]]
         for i, slots in enumerate(per_member[1:], start=1):
@@ -129,6 +135,14 @@ class Storage:
         """The members' tensors of `name`, in member order."""
         k = self.names.index(name)
         return held[k * self.count : (k + 1) * self.count]
+
+    def leave(self) -> None:
+        """One engine stops using this Storage; the last one releases it."""
+        with self._lock:
+            self.users -= 1
+            last = self.users <= 0
+        if last:
+            self.release()
 
     def release(self) -> None:
         """Give every member memory of its own again; the stacks are dropped."""
@@ -188,6 +202,27 @@ class Storage:
             return
         self._foreign.discard(j)
         self._expected[j] = _data_ptr(row)
+
+
+_shared: weakref.WeakValueDictionary[tuple[int, ...], Storage] = weakref.WeakValueDictionary()
+_shared_lock = threading.Lock()
+
+
+def storage_for(members: Sequence[torch.nn.Module]) -> Storage:
+    """The Storage of these members (in this order), made or shared; one more user."""
+    key = tuple(map(id, members))
+    with _shared_lock:
+        found = _shared.get(key)
+        alive = (
+            found is not None
+            and found.stacks
+            and all(ref() is m for ref, m in zip(found.member_refs, members, strict=True))
+        )
+        storage = found if alive and found is not None else Storage(members)
+        _shared[key] = storage
+        with storage._lock:
+            storage.users += 1
+        return storage
 
 
 class _stacking:
