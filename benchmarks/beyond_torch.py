@@ -5,7 +5,8 @@ runnable alone too):
 
 - cancel: from `cancel()` to the callee's coroutine seeing CancelledError,
   and to the caller's Future failing (Ray: `ray.cancel` on an async actor
-  method; `ray.get` raising TaskCancelledError);
+  method; `ray.get` raising TaskCancelledError); asyncrpc's Future fails at
+  `cancel()` itself, before the callee hears of it;
 - stream throughput: items/s of small items (64 B tensors) and MiB/s of
   1 MiB tensors from a remote generator (Ray: a streaming generator actor
   method), and a loop of single calls for scale;
@@ -88,7 +89,10 @@ def asyncrpc_cancel(tag: str) -> tuple[float, float]:
         fut.wait()
     except asyncrpc.CancelledError:
         failed = time.time()
-    seen = asyncrpc.rpc_sync("worker1", read, args=(f"{tag}/seen",))
+    # The caller's Future fails at once; the callee hears of it through the store.
+    seen = 0.0
+    while not seen:
+        seen = asyncrpc.rpc_sync("worker1", read, args=(f"{tag}/seen",))
     return seen - start, failed - start
 
 

@@ -401,10 +401,10 @@ class _Task:
             awaiting = self._stop_awaiting()
             if awaiting is None:
                 self._thrown = False  # running or not started: at its next await
-        self._out.set_result(Failure(cancelled_error(self._fn), self._for_torch))
-        if awaiting is not None:
+        if awaiting is not None:  # stopped first, so its finally has run by the reply
             self._run(asyncio.CancelledError(f"{_name(self._fn)} was cancelled"))
             _torch.cancel(awaiting)  # the call it awaited: the next hop stops too
+        self._out.set_result(Failure(cancelled_error(self._fn), self._for_torch))
         return True
 
     def resume(self, waker: _Waker) -> None:
