@@ -19,7 +19,7 @@ PACKAGE = pathlib.Path(asyncrpc.__file__).parent
 # Lowest first. A unit is a module, or a package whose modules are listed in their order.
 LAYERS: list[list[str]] = [
     ["_core"],
-    ["_handles", "_batch", "_fanout", "_trace", "_launch"],
+    ["_handles", "_batch", "_fanout", "_trace", "_launch", "_inspect"],
     ["_ensemble"],
     ["futures"],
     ["__init__"],
@@ -32,11 +32,17 @@ INSIDE: dict[str, list[str]] = {
         "_unwaited",
         "_futures",
         "_cancel",
+        "_activity",
         "_reply",
         "_context",
         "_net",
         "_rendezvous",
         "_liveness",
+        "_registry",
+        "_snapshot",
+        "_side",
+        "_waits",
+        "_hang",
         "_threadstates",
         "_world",
         "_execution",
@@ -56,6 +62,7 @@ INSIDE: dict[str, list[str]] = {
     ],
     "_trace": ["_timeline", "_render", "_trace"],
     "_launch": ["_supervisor", "_cli"],
+    "_inspect": ["_worlds", "_dump", "_top"],
 }
 
 

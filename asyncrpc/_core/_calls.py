@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, TypeAlias, TypeVar, overload
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from . import _torch, _world
+from . import _activity, _hang, _torch, _world
 from ._cancel import Sent, new_key
 from ._errors import NestedCallError, UnknownWorkerError
 from ._execution import Kind, classify, run_python, run_python_async
@@ -255,6 +255,9 @@ def send(call: Call, cancellable: bool = True) -> Future[Any]:
         # torch's operators run without a cancel key: a cancel fails the Future only.
         reply = Reply(call.sent if func is not traced else call.sent._replace(key=0))
         out = reply.future  # tagged with the Reply; taken first: the reply may be in already
+        world = _world._world
+        if world is not None and world.settings is not None and world.settings.hang_report_after:
+            _hang.watch(reply, world.settings.hang_report_after, world.context.names)
         _torch.add_callback(fut, reply)
         fut = out
     else:
@@ -283,7 +286,14 @@ def send_remote(call: Call) -> rpc.RRef[Any]:
 def call_sync(call: Call) -> Any:
     """`send` and wait for the reply, refusing to block the last free RPC thread."""
     with holding_rpc_thread(call.worker, call.label):
-        return send(call, cancellable=False).wait()
+        outgoing = _activity.sent(call.worker, call.label, call.sent.key)
+        failed = True
+        try:
+            value = send(call, cancellable=False).wait()
+            failed = False
+            return value
+        finally:
+            _activity.ended(outgoing, failed)
 
 
 # While a trace records (asyncrpc._trace), it swaps each outgoing function for a

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import datetime
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from typing import Any, NamedTuple
 from . import _torch
 
 __all__ = [
+    "KEY_BITS",
     "Running",
     "Sent",
     "begin",
@@ -47,8 +49,12 @@ __all__ = [
     "enter",
     "new_key",
     "request",
+    "running_calls",
+    "send_request",
+    "side_channel",
     "stop_watching",
     "watch",
+    "watching",
 ]
 
 TOMBSTONE_S = 120.0  # how long a cancel waits for a call that has not started yet
@@ -56,7 +62,7 @@ TOMBSTONES_MAX = 65_536  # the most kept at once: the oldest go first
 ENDED_KEPT = 4_096  # calls that ended lately: a cancel racing their reply finds them
 _JOIN_S = 3.0  # how long a stopping watcher may take
 _GUARD_POLL_S = 0.2  # how often the exit guard looks whether the main thread has ended
-_KEY_BITS = 40
+KEY_BITS = 40  # a call's key: caller rank << KEY_BITS | number
 _STOP = "stop"
 _numbers = itertools.count(1)
 
@@ -72,7 +78,7 @@ class Sent(NamedTuple):
 
 def new_key(caller_rank: int) -> int:
     """A key for the next call this process sends."""
-    return (caller_rank << _KEY_BITS) | next(_numbers)
+    return (caller_rank << KEY_BITS) | next(_numbers)
 
 
 # ---- the caller's side -----------------------------------------------------------------
@@ -103,30 +109,43 @@ def cancel(fut: Any) -> bool:
 
 def request(sent: Sent) -> bool:
     """Ask `sent.callee` to stop the call `sent.key`; False when the store cannot be reached."""
+    store = _watcher.store
+    if store is None:
+        return False
     try:
-        _send(_torch.agent_store(), sent.callee, str(sent.key))
+        send_request(store, sent.callee, str(sent.key))
     except Exception:  # the world is going away: nothing is left to stop
         return False
     return True
 
 
-def _send(store: Any, rank: int, text: str) -> None:
-    number = store.add(f"asyncrpc/cancel/{rank}/n", 1)
-    store.set(f"asyncrpc/cancel/{rank}/{number}", text)
+def send_request(store: Any, rank: int, text: str) -> None:
+    """Queue `text` for worker `rank`'s watcher in the side channel `store`."""
+    number = store.add(f"queue/{rank}/n", 1)
+    store.set(f"queue/{rank}/{number}", text)
 
 
 # ---- the callee's side: calls running here, and cancels that came first ----------------
 
 
 class Running:
-    """One call this worker runs: whether it was cancelled, and how to stop it."""
+    """One call this worker runs: whether it was cancelled, and how to stop it.
 
-    __slots__ = ("cancelled", "key", "on_cancel")
+    Also what `asyncrpc-dump` shows of it: what runs (`call`: the function and
+    its arguments, named when read), since when, on which thread (None while
+    an async call waits at an `await`), and its coroutine if it has one.
+    """
 
-    def __init__(self, key: int) -> None:
+    __slots__ = ("call", "cancelled", "coro", "key", "on_cancel", "started", "thread")
+
+    def __init__(self, key: int, call: tuple[Any, ...] = ()) -> None:
         self.key = key
         self.cancelled = False
         self.on_cancel: Callable[[], object] | None = None
+        self.call = call
+        self.started = time.monotonic()
+        self.thread: int | None = threading.get_ident()
+        self.coro: Any = None
 
 
 _lock = threading.Lock()
@@ -139,11 +158,12 @@ _ended_keys: set[int] = set()
 _current = threading.local()
 
 
-def begin(key: int) -> Running | None:
-    """Record a call as running; None when it was cancelled before it started."""
-    if not _watcher.started:
-        watch()
-    state = Running(key)
+def begin(key: int, call: tuple[Any, ...] = ()) -> Running | None:
+    """Record a call as running; None when it was cancelled before it started.
+
+    `call`: (function, args), for naming it in dumps.
+    """
+    state = Running(key, call)
     with _lock:
         if _tombstones and _tombstones.pop(key, None) is not None:
             return None
@@ -206,6 +226,13 @@ def _bury(key: int) -> None:
     _tombstones[key] = now + TOMBSTONE_S
 
 
+def running_calls() -> list[Running]:
+    """The calls this worker runs now, oldest first."""
+    with _lock:
+        calls = list(_running.values())
+    return sorted(calls, key=lambda state: state.started)
+
+
 def bookkeeping() -> dict[str, int]:
     """How much cancel state this worker holds (for checks and the benchmarks).
 
@@ -249,6 +276,9 @@ def cancelled() -> bool:
 # ---- the watcher: cancels addressed to this worker, taken from the store -------------------
 
 
+SIDE_PREFIX = "asyncrpc/side/"  # a world torch started; asyncrpc's own add its attempt
+
+
 class _Watcher:
     def __init__(self) -> None:
         self.started = False
@@ -257,20 +287,32 @@ class _Watcher:
         self.guard: threading.Thread | None = None
         self.done = threading.Event()  # ends the guard
         self.rank = -1
-        self.store: Any = None  # to wake it with a stop, after its agent is gone
+        self.store: Any = None  # the side channel: requests go there, a stop wakes it
+        self.address: str | None = None  # where the store listens, if it is a TCPStore
+        self.prefix = SIDE_PREFIX
+        self.answer: Callable[[str], str] | None = None
 
 
 _watcher = _Watcher()
+Answer = Callable[[str], str]  # a request's kind -> the answer (JSON text)
 
 
-def watch() -> None:
-    """Start this worker's watcher (once per world; a no-op while one runs)."""
+def watch(prefix: str = SIDE_PREFIX, answer: Answer | None = None) -> None:
+    """Start this worker's watcher of its side channel (once per world).
+
+    The channel is `prefix` in the root store of torch's agent (the world's
+    store). `answer(kind)` answers requests other than cancels ("ask" from
+    `_side`); without it they get no answer.
+    """
     with _watcher.lock:
+        if answer is not None:
+            _watcher.answer = answer
         if _watcher.started or not _torch.agent_running():
             return
         _watcher.started = True  # also when it cannot start: calls must not retry each time
         try:
-            store = _torch.agent_store()
+            root = _torch.root_store(_torch.agent_store())
+            store = _torch.PrefixStore(prefix, root)
             listening = store.clone()  # type: ignore[attr-defined]  # its own: it blocks in wait()
             rank = int(_torch.current_agent().get_worker_info().id)
         except Exception:  # an agent without a store: cancels cannot reach this worker
@@ -289,8 +331,22 @@ def watch() -> None:
         )
         _watcher.thread, _watcher.rank, _watcher.store = thread, rank, store
         _watcher.guard, _watcher.done = guard, done
+        _watcher.address, _watcher.prefix = _torch.store_address(root), prefix
         thread.start()
         guard.start()
+
+
+def watching() -> bool:
+    """True once this worker's watcher has been started (or could not be)."""
+    return _watcher.started
+
+
+def side_channel() -> tuple[Any, str | None, str] | None:
+    """(store, address, prefix) of this worker's side channel while it watches, else None."""
+    with _watcher.lock:
+        if _watcher.store is None:
+            return None
+        return _watcher.store, _watcher.address, _watcher.prefix
 
 
 def _guard(done: threading.Event) -> None:
@@ -309,6 +365,7 @@ def stop_watching() -> None:
         _watcher.started, _watcher.thread, _watcher.store, _watcher.guard = (
             False, None, None, None,
         )  # fmt: skip
+        _watcher.answer, _watcher.address = None, None
     with _lock:
         _tombstones.clear()
         _ended.clear()
@@ -319,7 +376,7 @@ def stop_watching() -> None:
     if thread is None:
         return
     try:
-        _send(store, rank, _STOP)
+        send_request(store, rank, _STOP)
     except Exception:
         pass  # the store is gone: the watcher's wait fails at once, and it ends
     thread.join(_JOIN_S)
@@ -328,7 +385,7 @@ def stop_watching() -> None:
 def _watch(store: Any, rank: int) -> None:
     forever = datetime.timedelta(days=365)
     for number in itertools.count(1):
-        key = f"asyncrpc/cancel/{rank}/{number}"
+        key = f"queue/{rank}/{number}"
         try:
             store.wait([key], forever)
             text = store.get(key).decode()
@@ -338,6 +395,20 @@ def _watch(store: Any, rank: int) -> None:
         if text == _STOP:
             return
         try:
-            deliver(int(text))
-        except Exception:  # a cancel must never end the watcher
+            if text.startswith("ask "):
+                _answer(store, text)
+            else:
+                deliver(int(text))
+        except Exception:  # a request must never end the watcher
             continue
+
+
+def _answer(store: Any, text: str) -> None:
+    """`ask <kind> <reply key>`: answer into the reply key (an error's text if it fails)."""
+    _, kind, reply = text.split(" ", 2)
+    answer = _watcher.answer
+    try:
+        payload = answer(kind) if answer is not None else '{"error": "not answering yet"}'
+    except Exception as exc:
+        payload = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+    store.set(reply, payload)

@@ -60,6 +60,10 @@ class Settings:
     # (not the script: each worker imports that itself); "spawn" starts each from a
     # cold one (every worker imports torch itself).
     start_method: str = "forkserver"
+    # A call still pending after this many seconds logs one WARNING on the
+    # caller: its function, the worker it waits on, where that worker is (the
+    # innermost frame of the user's code) and any cycle of waits. None: off.
+    hang_report_after: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
@@ -77,6 +81,13 @@ class Settings:
         for flag in ("freeze_gc", "keep_thread_states"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        after = self.hang_report_after
+        if after is not None and (
+            not isinstance(after, (int, float)) or not math.isfinite(after) or after <= 0
+        ):
+            raise ValueError(
+                f"hang_report_after must be a finite number of seconds > 0 or None, got {after!r}"
+            )
         threads = self.intra_op_threads
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"intra_op_threads must be a positive int, got {threads!r}")

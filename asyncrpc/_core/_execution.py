@@ -45,7 +45,7 @@ from . import _cancel, _torch
 from ._errors import AwaitedNonFutureError, CancelledError, NotAFutureError
 from ._failures import Failure, capture, check_reply, label_of
 from ._futures import await_future, completed, driving, new_future
-from ._world import describe_self
+from ._world import current_world, describe_self
 
 __all__ = [
     "DESCRIBE_CALL",
@@ -108,6 +108,14 @@ def _is_coroutine_function(func: object) -> bool:
 # ---- the runners: what an asyncrpc call runs on the callee ---------------------------
 
 
+def _meet_world() -> None:
+    # A worker that only serves calls in a world torch started meets it here: from
+    # then on it hears cancels and answers asyncrpc-dump (its watcher runs).
+    if not _cancel.watching():
+        with contextlib.suppress(Exception):
+            current_world("a call")
+
+
 def run_python(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: int = 0
 ) -> Any:
@@ -116,7 +124,8 @@ def run_python(
     `key` names the call for cancellation (0: none). As torch does, the
     callee also writes the error to its stderr.
     """
-    state = _cancel.begin(key) if key else None
+    _meet_world()
+    state = _cancel.begin(key, (func, args)) if key else None
     if key and state is None:
         return _cancelled(func, args, before=True)
     outer = _cancel.enter(state)
@@ -148,7 +157,8 @@ def run_python_async(
 
     The Task or Future the call makes takes charge of its cancellation (`key`).
     """
-    state = _cancel.begin(key) if key else None
+    _meet_world()
+    state = _cancel.begin(key, (func, args)) if key else None
     if key and state is None:
         return completed(_cancelled(func, args, before=True))
     outer = _cancel.enter(state)
@@ -160,6 +170,8 @@ def run_python_async(
     finally:
         made, _reply.asked, _reply.made = _reply.made, False, None
         _cancel.enter(outer)
+        if state is not None:
+            state.thread = None  # from here it runs on callbacks, not on this RPC thread
     if inspect.iscoroutine(result):
         return start_coroutine(result, _called(func, args), state=state)
     if not isinstance(result, _torch.FutureType):
@@ -340,6 +352,7 @@ def start_coroutine(
     state = state if state is not None else _cancel.current()
     if state is not None and _cancel.claim(state, task.cancel):
         task.state = state
+        state.coro = coro  # where it waits, for asyncrpc-dump
     _torch.set_canceller(out, task.cancel)
     task.start()
     return out
@@ -432,6 +445,8 @@ class _Task:
     def _step(self, error: BaseException | None) -> tuple[Any, bool]:
         outer_state = _cancel.enter(self.state)
         outer, driving.active = getattr(driving, "active", False), True
+        if self.state is not None:
+            self.state.thread = threading.get_ident()  # runs here until its next await
         try:
             while True:
                 try:
@@ -448,6 +463,8 @@ class _Task:
         finally:
             driving.active = outer
             _cancel.enter(outer_state)
+            if self.state is not None:
+                self.state.thread = None
 
     def _next_error(self, awaited: object) -> BaseException | None:
         if not isinstance(awaited, _torch.FutureType):

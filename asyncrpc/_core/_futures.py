@@ -43,6 +43,7 @@ from ._failures import check_reply, hold
 __all__ = [
     "as_completed",
     "await_future",
+    "call_later",
     "chain",
     "completed",
     "driving",
@@ -417,6 +418,11 @@ class _Clock:
 
 
 _clock = _Clock()
+
+
+def call_later(seconds: float, action: Callable[[], None]) -> Callable[[], None]:
+    """Run `action()` on the shared clock thread in `seconds`; returns how to cancel it."""
+    return _clock.call_at(time.monotonic() + seconds, action).cancel
 
 
 def enable_await() -> None:

@@ -25,9 +25,9 @@ from typing import Any
 
 from torch.futures import Future
 
-from . import _cancel, _torch
+from . import _activity, _cancel, _torch
 from ._errors import CancelledError
-from ._failures import hold, label_of, name_failure
+from ._failures import Failure, hold, label_of, name_failure
 from ._futures import new_future
 
 __all__ = ["Reply", "cancelled_here"]
@@ -40,13 +40,18 @@ class Reply:
     or cancels it.
     """
 
-    __slots__ = ("_token", "callee", "future", "key", "label", "worker")
+    __slots__ = ("__weakref__", "_token", "callee", "future", "key", "label", "outgoing", "worker")
 
     def __init__(self, sent: _cancel.Sent) -> None:
         self.worker, self.label, self.callee, self.key = sent
         self.future: Future[Any] = new_future()
         self._token = [True]  # popped once, by whoever settles (atomic under the GIL)
         _torch.tag_future(self.future, self)
+        self.outgoing = _activity.sent(self.worker, self.label, self.key)
+
+    def pending(self) -> bool:
+        """True until the reply or a cancel has settled the Future."""
+        return bool(self._token)
 
     def _settle(self) -> Future[Any] | None:
         try:
@@ -67,6 +72,7 @@ class Reply:
         ok, outcome = _torch.outcome(reply)
         if not ok:
             outcome = hold(name_failure(outcome, self.worker, self.label))
+        _activity.ended(self.outgoing, failed=not ok or type(outcome) is Failure)
         future.set_result(outcome)
 
     def cancel(self) -> bool:
@@ -74,6 +80,7 @@ class Reply:
         future = self._settle()
         if future is None:
             return False
+        _activity.ended(self.outgoing, failed=False)
         future.set_result(hold(cancelled_here(self.worker, self.label)))
         if self.key:  # torch's operators run without a key: nothing to stop there
             _cancel.request(_cancel.Sent(self.worker, self.label, self.callee, self.key))

@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar, cast
 
 from torch.futures import Future
 
-from . import _calls, _torch, _world
+from . import _activity, _calls, _torch, _world
 from ._errors import CancelledError, SerializationError
 from ._execution import start_coroutine
 from ._failures import Failure, capture, check_reply, label_of
@@ -370,6 +370,7 @@ def _open(
     producer = _Producer(gen, label)
     with _producers_lock:
         _producers[key] = producer
+    _activity.count_streams_with(open_producers)
     _world.at_world_end(_close_all)
     if inspect.isasyncgen(gen):
         producer.pump = start_coroutine(_pump_async(producer), func)

@@ -88,6 +88,7 @@ __all__ = [
     "register_rendezvous",
     "remote",
     "remote_exception",
+    "root_store",
     "rpc_async",
     "rpc_sync",
     "rref_future",
@@ -97,6 +98,7 @@ __all__ = [
     "set_canceller",
     "set_unwrap",
     "storage_shared",
+    "store_address",
     "tag_future",
     "tensor_tables",
     "uninstall",
@@ -153,6 +155,20 @@ def agent_store() -> Store:
     """The store torch's agent formed its world with (any world; a PrefixStore)."""
     store: Store = current_agent().store
     return store
+
+
+def root_store(store: Store) -> Store:
+    """The store under every PrefixStore wrapping `store` (a TCPStore for a reachable world)."""
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def store_address(store: Store) -> str | None:
+    """`host:port` where a TCPStore listens, else None (a file or hash store)."""
+    if isinstance(store, TCPStore):
+        return f"{store.host}:{store.port}"
+    return None
 
 
 def agent_threads(default: int = 16) -> int:

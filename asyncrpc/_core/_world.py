@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from . import _cancel, _net, _rendezvous, _threadstates, _torch
+from . import _cancel, _hang, _net, _registry, _rendezvous, _snapshot, _threadstates, _torch
 from ._cancel import Sent
 from ._context import Context, Settings, names_for, resolve_world_size
 from ._errors import (
@@ -61,6 +61,7 @@ class World:
     intra_op_before: int | None = None
     froze_gc: bool = False  # this world froze the heap (gc.freeze); its shutdown thaws it
     liveness: Liveness | None = None  # the peers' heartbeats (launched and init worlds)
+    registration: str | None = None  # this worker's file for asyncrpc-dump/top (_registry)
     # torch's WorkerInfo per name, filled on first use: handing torch a WorkerInfo
     # spares it a lookup by name on every call.
     infos: dict[str, WorkerInfo] = dataclasses.field(default_factory=dict)
@@ -113,9 +114,21 @@ def _adopt() -> World:
     context = Context(int(me.id), len(names), str(me.name), names, _leave=_leave)
     world = World(context, _torch.agent_threads())
     _install_hooks()  # first: a world is only cached once torch is patched for it
-    _cancel.watch()
+    _watch(world, _cancel.SIDE_PREFIX)
     _adopted = (agent, world)
     return world
+
+
+def _watch(world: World, prefix: str) -> None:
+    """Start the side channel's watcher and register the world for asyncrpc-dump/top."""
+    ctx = world.context
+    _cancel.watch(prefix, _snapshot.Reporter(ctx.rank, ctx.names, world.threads))
+    channel = _cancel.side_channel()
+    if channel is None or world.registration is not None:
+        return
+    _, address, side = channel
+    if address is not None:  # a store others can reach: a TCPStore
+        world.registration = _registry.register(address, side, ctx.rank, ctx.name, ctx.names)
 
 
 def _install_hooks() -> None:
@@ -281,7 +294,7 @@ def start(
             _start_agent(world, master_addr)
             if settings.keep_thread_states:
                 _threadstates.keep(context.name, settings.num_worker_threads)
-            _cancel.watch()
+            _watch(world, f"asyncrpc/{attempt}/side/")
             if watch_peers:
                 world.liveness = Liveness(
                     store, rank, names, str(attempt), timeout=settings.heartbeat_timeout,
@@ -292,6 +305,8 @@ def start(
                 world.froze_gc = True
         except BaseException:
             _world = None
+            if world.registration is not None:
+                _registry.unregister(world.registration)
             if world.liveness is not None:
                 world.liveness.stop(left=False)
             _put_back(world)
@@ -446,11 +461,17 @@ def _end_world(world: World | None, left: bool) -> None:
         for release in list(_at_end):
             release()
     finally:
+        ended = _world
         _world = _adopted = None
+        if ended is not None and ended.registration is not None:
+            _registry.unregister(ended.registration)
+            ended.registration = None
         if world is not None and world.liveness is not None:
             world.liveness.stop(left=left)
         _cancel.stop_watching()  # it served cancels while the shutdown served calls
         _threadstates.forget()
+        if world is not None and world.settings is not None and world.settings.hang_report_after:
+            _hang.stop()
         if world is not None:
             _put_back(world)
         _torch.uninstall()

@@ -1,0 +1,1 @@
+"""Seeing inside a running world from outside it: `asyncrpc-dump` and `asyncrpc-top`."""

@@ -1,0 +1,235 @@
+"""Seeing inside running worlds: asyncrpc-dump, asyncrpc-top and hang reports, as users run them.
+
+Each test starts real worlds in subprocesses with a runtime folder of its own
+(XDG_RUNTIME_DIR), so the commands find exactly the worlds it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from asyncrpc._core import _registry, _waits
+
+from conftest import PROGRAMS, ROOT, bin_path
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(150)]
+HANG = str(ROOT / "examples" / "hang.py")
+BUSY = str(PROGRAMS / "busy_world.py")
+
+
+def _env(runtime: pathlib.Path) -> dict[str, str]:
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        env.pop(key, None)
+    return env
+
+
+def _start(argv: list[str], runtime: pathlib.Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        argv, cwd=ROOT, env=_env(runtime), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+def _command(name: str, runtime: pathlib.Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [bin_path(name), *args], cwd=ROOT, env=_env(runtime), capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+
+
+def _registered(runtime: pathlib.Path, workers: int, seconds: float = 60) -> dict[str, Any]:
+    """The registrations of the one world in `runtime`, once `workers` have registered."""
+    os.environ_backup = os.environ.get("XDG_RUNTIME_DIR")  # type: ignore[attr-defined]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+        try:
+            worlds = _registry.worlds()
+        finally:
+            _restore_runtime()
+        if worlds and len(next(iter(worlds.values()))) >= workers:
+            return worlds
+        time.sleep(0.1)
+    raise AssertionError(f"{workers} workers never registered in {runtime}")
+
+
+def _restore_runtime() -> None:
+    before = os.environ_backup  # type: ignore[attr-defined]
+    if before is None:
+        os.environ.pop("XDG_RUNTIME_DIR", None)
+    else:
+        os.environ["XDG_RUNTIME_DIR"] = before
+
+
+def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    if proc.poll() is None:
+        proc.kill()
+    return proc.communicate(timeout=30)
+
+
+def test_a_deadlocked_world_is_dumped_with_its_cycle_and_reported(tmp_path: pathlib.Path) -> None:
+    # The calls time out after 12 s: the world then ends on its own, reports written.
+    world = _start([sys.executable, HANG, "--timeout", "12", "--report-after", "2"], tmp_path)
+    try:
+        worlds = _registered(tmp_path, 3)
+        pids = {entry["name"]: entry["pid"] for entry in next(iter(worlds.values()))}
+        time.sleep(1.5)  # worker2's calls reach f, g and the queue for h
+        started = time.monotonic()
+        done = _command("asyncrpc-dump", tmp_path, "--json")
+        took = time.monotonic() - started
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        text = _command("asyncrpc-dump", tmp_path)
+        top = _command("asyncrpc-top", tmp_path, "--once", "--json")
+        out, err = world.communicate(timeout=90)
+    finally:
+        _stop(world)
+    assert took < 5.0, took  # every RPC thread of worker0 and worker1 is blocked
+    workers = {w["name"]: w for w in result["workers"]}
+    assert {name: w["pid"] for name, w in workers.items()} == pids
+    f_stacks = [c["stack"] for c in workers["worker0"]["threads"] if c["call"] == "f()"]
+    assert len(f_stacks) == 2 and all(c["caller"] == "worker2" for c in
+                                      workers["worker0"]["threads"])  # fmt: skip
+    assert any('examples/hang.py", line' in line and "in f" in line for line in f_stacks[0])
+    assert [c["to"] for c in workers["worker1"]["in_flight"]] == ["worker0", "worker0"]
+    assert ["worker0", "worker1", "worker0"] in result["cycles"], result["cycles"]
+    assert text.returncode == 0 and "cycle: worker0 f() -> worker1 g() -> worker0" in text.stdout
+    assert "runs g() for worker0" in text.stdout and "hang.py" in text.stdout
+    rows = {w["name"]: w for w in json.loads(top.stdout)["workers"]}
+    assert rows["worker0"]["busy_threads"] == 2 == rows["worker0"]["total_threads"]
+    assert rows["worker2"]["in_flight"] == 2 and rows["worker0"]["pid"] == pids["worker0"]
+    # The hang reports the callers logged after 2 s: where the callee is, and the cycle.
+    assert "call to f() on worker0 still pending after 2 s" in err, err[-3000:]
+    assert "worker0 runs it at examples/hang.py:" in err and "in f (waits on worker1" in err
+    assert "call to h() on worker0 still pending after 2 s: it has not started" in err
+    assert "cycle: worker0 f() -> worker1 g() -> worker0" in err
+    assert "CallTimeoutError" in out, out  # the calls did time out in the end
+
+
+def test_a_busy_worker_shows_in_top_and_its_stack_in_the_dump(tmp_path: pathlib.Path) -> None:
+    world = _start([sys.executable, BUSY, "20"], tmp_path)
+    try:
+        _registered(tmp_path, 2)
+        assert world.stdout is not None and world.stdout.readline().startswith("BUSY")
+        started = time.monotonic()
+        top = _command("asyncrpc-top", tmp_path, "--once")
+        took = time.monotonic() - started
+        dump = json.loads(_command("asyncrpc-dump", tmp_path, "--json").stdout)
+    finally:
+        _stop(world)
+    assert top.returncode == 0 and took < 2.0, (top.stderr, took)
+    header = top.stdout.splitlines()[1]
+    for title in ("worker", "host", "pid", "RSS MB", "CPU %", "busy/threads", "running",
+                  "in flight", "streams", "failures", "p50 ms", "p99 ms"):  # fmt: skip
+        assert title in header, header
+    worker1 = next(line for line in top.stdout.splitlines() if line.startswith("worker1 "))
+    assert " 1/16 " in worker1, top.stdout
+    crunch = dump["workers"][1]["threads"][0]
+    assert crunch["call"] == "crunch()" and crunch["caller"] == "worker0"
+    assert any("busy_world.py" in line and "in crunch" in line for line in crunch["stack"])
+    assert dump["cycles"] == []
+
+
+def test_the_commands_say_when_no_world_or_several_are_running(tmp_path: pathlib.Path) -> None:
+    for command in ("asyncrpc-dump", "asyncrpc-top"):
+        done = _command(command, tmp_path, *(["--once"] if command.endswith("top") else []))
+        assert done.returncode == 1 and "no asyncrpc world is running" in done.stderr
+    stale = {"address": "127.0.0.1:1", "prefix": "x", "rank": 0, "name": "w", "names": ["w"],
+             "pid": 2**22 + 12345, "host": "h", "started": 0}  # fmt: skip
+    (tmp_path / "asyncrpc").mkdir(exist_ok=True)
+    (tmp_path / "asyncrpc" / "127.0.0.1_1_0_1.json").write_text(json.dumps(stale))
+    done = _command("asyncrpc-dump", tmp_path)
+    assert done.returncode == 1 and "no asyncrpc world is running" in done.stderr  # stale
+    assert not (tmp_path / "asyncrpc" / "127.0.0.1_1_0_1.json").exists()  # and removed
+    worlds = [_start([sys.executable, BUSY, "20"], tmp_path) for _ in range(2)]
+    try:
+        _registered_count(tmp_path, 2)
+        done = _command("asyncrpc-dump", tmp_path)
+        assert done.returncode == 2 and "2 worlds are running: pick one with --world" in (
+            done.stderr
+        )
+        address = done.stderr.split("the worlds running:")[1].split()[0]
+        picked = _command("asyncrpc-top", tmp_path, "--once", "--json", "--world", address)
+    finally:
+        for world in worlds:
+            _stop(world)
+    assert picked.returncode == 0 and json.loads(picked.stdout)["world"] == address
+
+
+def _registered_count(runtime: pathlib.Path, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        os.environ_backup = os.environ.get("XDG_RUNTIME_DIR")  # type: ignore[attr-defined]
+        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+        try:
+            worlds = _registry.worlds()
+        finally:
+            _restore_runtime()
+        if len(worlds) == count and all(len(v) == 2 for v in worlds.values()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{count} worlds never registered")
+
+
+@pytest.mark.parametrize("how", ["torch", "asyncrpc-launch", "torchrun"])
+def test_the_commands_work_in_every_kind_of_world(how: str, tmp_path: pathlib.Path) -> None:
+    argv = {
+        "torch": [sys.executable, BUSY, "20", "--torch"],
+        "asyncrpc-launch": [bin_path("asyncrpc-launch"), "--nproc-per-node", "2", BUSY, "20"],
+        "torchrun": [bin_path("torchrun"), "--nproc-per-node", "2", BUSY, "20"],
+    }[how]
+    world = _start(argv, tmp_path)
+    try:
+        _registered(tmp_path, 2)
+        assert world.stdout is not None and world.stdout.readline().startswith("BUSY")
+        dump = _command("asyncrpc-dump", tmp_path, "--json")
+        top = _command("asyncrpc-top", tmp_path, "--once", "--json")
+    finally:
+        _stop(world)
+    assert dump.returncode == 0, dump.stderr
+    workers = json.loads(dump.stdout)["workers"]
+    assert [w["name"] for w in workers] == ["worker0", "worker1"]
+    crunch = workers[1]["threads"][0]
+    assert crunch["call"] == "crunch()" and any("in crunch" in f for f in crunch["stack"])
+    assert next(w["in_flight"] for w in json.loads(top.stdout)["workers"]) >= 1
+
+
+def test_a_call_that_ends_before_the_bound_logs_nothing() -> None:
+    from conftest import run_program
+
+    done = run_program("python", str(PROGRAMS / "hang_report.py"), timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [line for line in done.stderr.splitlines() if "still pending after" in line]
+    assert len(reports) == 1, done.stderr[-3000:]  # the slow call; the quick one logs nothing
+    assert "call to slow() on worker1 still pending after 1 s" in reports[0]
+    assert "hang_report.py:" in reports[0] and "in slow" in reports[0]
+
+
+def test_cycles_are_found_once_from_the_dumps() -> None:
+    def worker(name: str, threads: list[Any], in_flight: list[Any], total: int = 2) -> Any:
+        return {"name": name, "total_threads": total, "threads": threads, "in_flight": in_flight}
+
+    def call(key: int, label: str, thread: int | None = 1) -> Any:
+        return {"key": key, "call": label, "thread": thread}
+
+    def out(to: str, key: int, parent: int) -> Any:
+        return {"to": to, "key": key, "parent": parent, "call": "?"}
+
+    a = worker("a", [call(1, "f()"), call(2, "f()", 2)], [out("b", 10, 1), out("b", 11, 2)])
+    b = worker("b", [call(10, "g()"), call(11, "g()", 2)], [out("a", 20, 10), out("a", 21, 11)])
+    found = _waits.cycles([a, b])
+    assert found == [[("a", "f()"), ("b", "g()"), ("a", "(queued: all 2 RPC threads busy)")]]
+    assert _waits.describe(found[0]).startswith("cycle: a f() -> b g() -> a (queued")
+    free = worker("a", [call(1, "f()")], [out("b", 10, 1)])  # a has a free RPC thread
+    assert _waits.cycles([free, b]) == []
+    waiting = worker("a", [call(1, "f()", None)], [out("b", 10, 1)], total=1)  # async: no thread
+    assert _waits.cycles([waiting, worker("b", [call(10, "g()")], [out("a", 20, 10)])]) == []
