@@ -3,9 +3,11 @@
 worker2 calls f() on worker0 twice, which takes both of worker0's RPC
 threads (num_worker_threads=2). Each f() waits, holding its thread, for g()
 on worker1; g() waits for h() on worker0, which cannot start: no thread of
-worker0 is free. Nothing moves until the calls time out (rpc_timeout=30).
+worker0 is free. worker2's own calls time out (rpc_timeout=30), but f() and
+g() never do: torch completes a call's Future, with its reply or its
+timeout, on the caller's RPC threads, and those are the blocked ones.
 
-    python examples/hang.py           # hangs for 30 s; meanwhile, in another terminal:
+    python examples/hang.py           # hangs until stopped (Ctrl-C); meanwhile, elsewhere:
     asyncrpc-dump                     # every call, its stack, and the cycle
     asyncrpc-top --once               # one row per worker
 

@@ -221,3 +221,22 @@ def test_random_calls_cancels_and_reads_keep_the_contract() -> None:
         suppress_health_check=[HealthCheck.too_slow],
     )(CancelRace)
     run.TestCase().runTest()
+
+
+def test_a_future_made_with_then_fails_with_cancelled_error_itself(
+    world: asyncrpc.Context,
+) -> None:
+    chained = asyncrpc.rpc_async("worker1", echo, args=(1, 0.5)).then(lambda f: f.wait())
+    assert chained.cancel() is True
+    with pytest.raises(asyncrpc.CancelledError, match=r"echo\(\) on worker 'worker1'"):
+        chained.wait()
+    source = asyncrpc.rpc_async("worker1", echo, args=(2, 0.5))
+    doubled = source.then(lambda f: f.wait() * 2)
+    assert source.cancel() is True
+    with pytest.raises(asyncrpc.CancelledError):
+        doubled.wait()
+    other = asyncrpc.rpc_async("worker1", echo, args=(3, 0.0)).then(lambda f: f.wait() + 1)
+    assert other.wait() == 4  # uncancelled: the callback's value, as torch gives it
+    failing = asyncrpc.rpc_async("worker1", echo, args=(4, 0.0)).then(lambda f: 1 / 0)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):  # torch's own wrapping
+        failing.wait()

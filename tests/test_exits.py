@@ -52,10 +52,28 @@ def alive(pids: set[int]) -> set[int]:
     return pids & set(_parents())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT], ids=str)
-def test_the_parent_of_a_world_ending_by_any_signal_leaves_no_process(sig: int) -> None:
+@pytest.mark.parametrize(
+    ("sig", "hold"),
+    [
+        (signal.SIGTERM, False),
+        (signal.SIGKILL, False),
+        (signal.SIGINT, False),
+        (signal.SIGKILL, True),
+        (signal.SIGTERM, True),
+    ],
+    ids=[
+        "SIGTERM",
+        "SIGKILL",
+        "SIGINT",
+        "SIGKILL-workers-hold-the-GIL",
+        "SIGTERM-workers-hold-the-GIL",
+    ],
+)
+def test_the_parent_of_a_world_ending_by_any_signal_leaves_no_process(
+    sig: int, hold: bool
+) -> None:
     parent = subprocess.Popen(
-        [sys.executable, str(PROGRAMS / "parent_dies.py")],
+        [sys.executable, str(PROGRAMS / "parent_dies.py"), *(["--hold-gil"] if hold else [])],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     assert parent.stdout is not None

@@ -61,7 +61,7 @@ INSIDE: dict[str, list[str]] = {
         "_fanout",
     ],
     "_trace": ["_timeline", "_render", "_trace"],
-    "_launch": ["_supervisor", "_cli"],
+    "_launch": ["_parent", "_supervisor", "_cli"],
     "_inspect": ["_worlds", "_dump", "_top"],
 }
 

@@ -267,3 +267,111 @@ def test_two_fanouts_over_the_same_members_share_one_stack() -> None:
     _same(second, members, x)
     second.close()  # the last one out gives the members memory of their own
     assert members[0][0].weight.untyped_storage().nbytes() == 16 * 8 * 4
+
+
+def test_a_replaced_layer_is_stacked_anew() -> None:
+    members = _members()
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(4, 8)
+    for _ in range(2):
+        _same(fan, members, x)
+    for m in members:
+        m[2] = torch.nn.Linear(16, 2)  # a new head, its own tensors
+    _same(fan, members, x)
+    for m in members:
+        m[1] = torch.nn.Tanh()  # other code
+    _same(fan, members, x)
+    members[0][1] = torch.nn.ReLU()  # one member unlike the rest: its layer's class
+    with torch.no_grad():
+        got = fan(x)
+    for a, m in zip(got, members, strict=True):
+        torch.testing.assert_close(a, m(x))
+
+
+def test_a_data_write_that_keeps_the_pointer_but_not_the_layout_is_seen() -> None:
+    members = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(3)]
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(5, 4)
+    _same(fan, members, x)
+    _same(fan, members, x)
+    for m in members:
+        m[0].weight.data = m[0].weight.data.t()  # same memory, transposed
+    _same(fan, members, x)
+
+
+def test_in_place_buffer_updates_reach_a_buffer_the_user_shares() -> None:
+    members = _members(3, Counter)
+    views = [m.calls.view(-1) for m in members]  # the user shares each buffer's memory
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    with torch.no_grad():
+        for _ in range(4):
+            fan(torch.rand(4, 8))
+    assert [float(m.calls) for m in members] == [4.0, 4.0, 4.0]  # type: ignore[arg-type]
+    assert [float(v) for v in views] == [4.0, 4.0, 4.0]
+    assert "vmap" not in fan.declined
+
+
+def test_a_forward_that_changes_a_parameter_in_place_changes_the_members() -> None:
+    members = [torch.nn.Embedding(10, 4, max_norm=0.5) for _ in range(3)]
+    twins = copy.deepcopy(members)
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    index = torch.arange(6)
+    with torch.no_grad():
+        fan(index)
+        for m in members + twins:
+            m.weight.mul_(10)
+    for _ in range(2):  # with gradients on: the renorm writes a copy stacked in the graph
+        got = fan(index)
+        want = [t(index) for t in twins]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+    for m, t in zip(members, twins, strict=True):
+        torch.testing.assert_close(m.weight.detach(), t.weight.detach())
+    assert "vmap" not in fan.declined
+
+
+def test_members_made_in_inference_mode_work_during_and_after() -> None:
+    x = torch.rand(2, 4)
+    with torch.inference_mode():
+        members = [torch.nn.Linear(4, 3) for _ in range(3)]
+        fan = asyncrpc.Fanout(members, engine="vmap")
+        fan(x)
+        got = fan(x)
+        for a, m in zip(got, members, strict=True):
+            torch.testing.assert_close(a, m(x))
+        fan.close()
+        members[0](x)  # still a working module
+
+
+def test_a_member_stays_picklable_and_so_does_its_copy() -> None:
+    members = [torch.nn.Sequential(torch.nn.Linear(4, 4)) for _ in range(3)]
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    with torch.no_grad():
+        fan(torch.rand(2, 4))
+        fan(torch.rand(2, 4))
+    twin = copy.deepcopy(members[0])
+    loaded = torch.load(io.BytesIO(_bytes(members[0])), weights_only=False)
+    torch.testing.assert_close(loaded[0].weight, members[0][0].weight.detach())
+    fan.close()
+    torch.load(io.BytesIO(_bytes(twin)), weights_only=False)
+
+
+@pytest.mark.parametrize(
+    ("members", "reason"),
+    [
+        (lambda m: [m, mlp(), m], "member 2 is member 0 again"),
+        (
+            lambda m: [
+                torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(2, 2))
+                for _ in range(2)
+            ],
+            "uses torch.nn.utils.parametrize",
+        ),
+    ],
+    ids=["repeated", "parametrized"],
+)
+def test_members_the_engine_cannot_stack_are_declined_with_the_reason(
+    members: object, reason: str
+) -> None:
+    fan = asyncrpc.Fanout(members(mlp()), engine="vmap")  # type: ignore[operator]
+    assert reason in fan.declined["vmap"], fan.declined

@@ -165,9 +165,9 @@ class StreamRace(RuleBasedStateMachine):
     @rule(index=st.integers(0, 50))
     def break_loop(self, index: int) -> None:
         entry = self._pick(index)
-        for item in entry["s"]:
-            assert item == entry["next"]
-            break
+        loop = iter(entry["s"])  # what a `for` loop holds
+        self._next(entry, loop)  # its first turn: an item, the end, or the stream's error
+        del loop  # the loop ends: the stream closes
         entry["done"] = True
 
     @precondition(lambda self: any(not x["done"] for x in self.streams))
@@ -181,11 +181,11 @@ class StreamRace(RuleBasedStateMachine):
         live = [x for x in self.streams if not x["done"]]
         return live[index % len(live)]
 
-    def _next(self, entry: dict[str, Any]) -> bool:
+    def _next(self, entry: dict[str, Any], source: Any = None) -> bool:
         expected = entry["next"]
         ends = [e for e in (entry["n"], entry["bad"], entry["fail"]) if e >= 0]
         try:
-            item = next(entry["s"])
+            item = next(entry["s"] if source is None else source)
         except StopIteration:
             assert expected == entry["n"] and min(ends) == entry["n"], entry
             entry["done"] = True
@@ -220,3 +220,58 @@ def test_random_reads_breaks_closes_and_failures_keep_every_streams_promises() -
         suppress_health_check=[HealthCheck.too_slow],
     )(StreamRace)
     run.TestCase().runTest()
+
+
+class Foreign:
+    """A class only worker1 can import (its module is made there, at run time)."""
+
+
+def foreign_items(folder: str) -> Iterator[Any]:
+    import sys as _sys
+
+    with open(f"{folder}/only_here.py", "w") as module:
+        module.write("class OnlyHere:\n    pass\n")
+    _sys.path.insert(0, folder)
+    import only_here  # type: ignore[import-not-found]
+
+    yield from range(5)
+    yield only_here.OnlyHere()
+    yield 99
+
+
+def test_items_before_one_the_consumer_cannot_unpickle_arrive(
+    world: asyncrpc.Context, tmp_path: Any
+) -> None:
+    folder = tmp_path / "worker1-only"
+    folder.mkdir()
+    got: list[int] = []
+    with pytest.raises(
+        asyncrpc.SerializationError, match=r"foreign_items\(\) on 'worker1'"
+    ) as err:
+        for item in asyncrpc.stream("worker1", foreign_items, args=(str(folder),)):
+            got.append(item)
+    assert got == [0, 1, 2, 3, 4]
+    assert "item 6" in str(err.value) and str(err.value).count("foreign_items") == 1
+
+
+def ticks(tag: str) -> Iterator[int]:
+    try:
+        while True:
+            time.sleep(0.1)  # running, not paused: it is closed at its next yield
+            yield 1
+    finally:
+        with _lock:
+            _closed[tag] = _closed.get(tag, 0) + 1
+
+
+def test_close_from_another_thread_closes_the_generator_of_a_for_loop(
+    world: asyncrpc.Context,
+) -> None:
+    s = asyncrpc.stream("worker1", ticks, args=("loop-closed",), window=1)
+    reader = threading.Thread(target=lambda: [None for _ in s])
+    reader.start()
+    time.sleep(0.5)
+    s.close()
+    reader.join(5)
+    assert not reader.is_alive()
+    assert _until(lambda: asyncrpc.rpc_sync("worker1", closed, args=("loop-closed",)) == 1)

@@ -159,7 +159,7 @@ def test_run_from_python_c_names_the_cause_and_the_fix(how: str) -> None:
     assert done.returncode != 0
     named = "main" if how == "function" else "P"
     assert f"but {named} is defined in a program that has no file" in done.stderr, done.stderr
-    assert "python -c, a notebook or the interactive prompt" in done.stderr
+    assert "python -c, a script read from stdin, a notebook" in done.stderr
     assert "%%writefile my_world.py" in done.stderr
     assert "alive_r" not in done.stderr  # not multiprocessing's own main, as before
 

@@ -29,12 +29,13 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar, cast
 
+import torch
 from torch.futures import Future
 
 from . import _activity, _calls, _torch, _world
 from ._errors import CancelledError, SerializationError
 from ._execution import start_coroutine
-from ._failures import Failure, capture, check_reply, label_of
+from ._failures import Failure, capture, check_reply, hold, label_of
 from ._futures import completed, new_future
 
 __all__ = ["DEFAULT_WINDOW", "Stream", "check_window", "open_producers", "stream"]
@@ -94,6 +95,7 @@ class Stream(Generic[T]):
         self._pending: Future[Any] | None = None
         self._ended = False
         self._closed = False  # by close(): a cancelled pull then reads as the end
+        self._read = 0  # items received so far
         self._failure: Failure | None = None
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _close_remote, call)
@@ -170,12 +172,10 @@ class Stream(Generic[T]):
             self._closed = True
             self._buffer.clear()
             pending = self._pending
+        if not ended:
+            self._finalizer()  # first: a reader woken below closes too, and finds it done
         if pending is not None:
             _torch.cancel(pending)  # a reader blocked on it wakes (CancelledError)
-        if not ended:
-            self._finalizer()
-        else:
-            self._finalizer.detach()
 
     def _closed_here(self, error: BaseException) -> bool:
         """True when `error` is the wake-up of a pull that `close()` cancelled."""
@@ -213,7 +213,11 @@ class Stream(Generic[T]):
             return _NOTHING
 
     def _receive(self, pending: Future[Any], reply: Any) -> None:
-        items, ended, failure = reply
+        packed, ended, failure = reply
+        items, unreadable = self._unpack(packed)
+        if unreadable is not None:
+            ended, failure = True, unreadable
+            self._finalizer()  # the producer still runs: close its generator
         with self._lock:
             if pending is not self._pending:
                 return  # another reader took it
@@ -224,6 +228,27 @@ class Stream(Generic[T]):
                 self._finalizer.detach()  # the producer ended: nothing to close
             else:
                 self._pull_if_room()
+
+    def _unpack(self, packed: list[Any]) -> tuple[list[Any], Failure | None]:
+        """The items, unpickled one by one: the first this worker cannot read ends them."""
+        items = []
+        for item in packed:
+            if type(item) is not _Packed:
+                items.append(item)
+                continue
+            try:
+                items.append(_torch.deserialize(item.payload, item.tensors))
+            except Exception as exc:
+                self._read += len(items)
+                error = SerializationError(
+                    f"{label_of(self._call.label)} on {self._call.worker!r} yielded an item "
+                    f"this worker cannot unpickle (item {self._read + 1}: "
+                    f"{type(exc).__name__}: {exc}); make its class importable here too; the "
+                    f"items before it were delivered, and the stream ends here"
+                )
+                return items, hold(error)
+        self._read += len(items)
+        return items, None
 
     def _pull_if_room(self) -> None:
         if self._pending is None and not self._ended and len(self._buffer) < self._window:
@@ -333,13 +358,18 @@ class _Producer:
 _CLOSE_S = 2.0  # how long the world's end waits for a generator's finally
 _producers: dict[int, _Producer] = {}
 _producers_lock = threading.Lock()
+# Streams closed before their first pull arrived (bounded: the oldest go first).
+_closed_early: collections.OrderedDict[int, bool] = collections.OrderedDict()
+_CLOSED_EARLY_KEPT = 4096
 
 
 def _pull(key: int, opener: tuple[Any, ...] | None, n: int) -> Future[Any]:
     """One pull: the items ready (up to `n`, the credit), whether it ended, its failure."""
     producer = _producers.get(key)
     if producer is None:
-        if opener is None:
+        with _producers_lock:
+            closed_first = _closed_early.pop(key, None) is not None
+        if opener is None or closed_first:
             return completed(([], True, None))  # closed meanwhile: an ended stream
         opened = _open(key, *opener)
         if isinstance(opened, Failure):
@@ -427,11 +457,27 @@ async def _pump_async(producer: _Producer) -> None:
     producer.finish(failure)
 
 
+class _Packed:
+    """An item pickled on its own (tensors aside): one the consumer cannot unpickle fails
+    alone, not the message of items it travels with."""
+
+    __slots__ = ("payload", "tensors")
+
+    def __init__(self, payload: bytes, tensors: list[Any]) -> None:
+        self.payload, self.tensors = payload, tensors
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Packed, (self.payload, self.tensors))
+
+
 def _sendable(item: Any, producer: _Producer) -> Any:
-    """`item`, once it is known to pickle: items travel together, and one that cannot
-    would fail the whole message, the items before it with it."""
+    """`item`, once it is known to pickle, packed unless a plain tensor: items travel
+    together, and one that cannot would fail the whole message, the items before it too."""
+    if type(item) is torch.Tensor:
+        producer.made += 1
+        return item  # any worker can read a tensor: it travels as it is, uncopied
     try:
-        _torch.serialize(item)
+        packed = _Packed(*_torch.serialize(item))
     except Exception as exc:
         producer.unsendable = True
         raise SerializationError(
@@ -440,7 +486,7 @@ def _sendable(item: Any, producer: _Producer) -> Any:
             f"were delivered, and the stream ends here"
         ) from exc
     producer.made += 1
-    return item
+    return packed
 
 
 async def _anext(gen: Any) -> Any:
@@ -448,9 +494,17 @@ async def _anext(gen: Any) -> Any:
 
 
 def _close(key: int) -> None:
-    """Close a producer the consumer left: its generator's `finally` runs."""
+    """Close a producer the consumer left: its generator's `finally` runs.
+
+    A close may overtake the pull that opens the stream (two calls, two RPC
+    threads): its key is then kept, and that pull opens nothing.
+    """
     with _producers_lock:
         producer = _producers.pop(key, None)
+        if producer is None:
+            _closed_early[key] = True
+            while len(_closed_early) > _CLOSED_EARLY_KEPT:
+                _closed_early.popitem(last=False)
     if producer is None:
         return
     with producer.cond:
@@ -470,6 +524,8 @@ def _close_all() -> None:
     threads = [p.thread for p in list(_producers.values()) if p.thread is not None]
     for key in list(_producers):
         _close(key)
+    with _producers_lock:
+        _closed_early.clear()
     for thread in threads:  # the process may exit next: let their finally blocks run
         thread.join(_CLOSE_S)
 

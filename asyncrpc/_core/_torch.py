@@ -41,7 +41,7 @@ from torch._C._distributed_rpc import PyRRef, WorkerInfo
 from torch.distributed.rpc import api as _rpc_api
 from torch.distributed.rpc import internal as _rpc_internal
 
-from ._errors import UnsupportedTorchError
+from ._errors import CancelledError, UnsupportedTorchError
 
 # A module that `torch.distributed` shadows with a function of the same name.
 _rendezvous_module: Any = importlib.import_module("torch.distributed.rendezvous")
@@ -69,6 +69,7 @@ __all__ = [
     "collect_for_wait_all",
     "combine",
     "current_agent",
+    "deserialize",
     "failure_kind",
     "global_forward_hooks",
     "guard_reads",
@@ -77,8 +78,10 @@ __all__ = [
     "install_await",
     "interop_pool_started",
     "is_builtin",
+    "is_parametrized",
     "is_rpc_thread",
     "mark_async",
+    "module_tables",
     "outcome",
     "parts_of",
     "profiler_config",
@@ -239,9 +242,15 @@ def send_torch(to: Any, func: Callable[..., Any], args: Any, kwargs: Any, timeou
     return fut
 
 
-def serialize(obj: Any) -> None:
-    """Pickle `obj` as torch's RPC would (tensors aside, uncopied); raise what it raises."""
-    _rpc_api._default_pickler.serialize(obj)  # type: ignore[no-untyped-call]
+def serialize(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """`obj` pickled as torch's RPC would: (bytes, its tensors, uncopied); raises if it cannot."""
+    payload, tensors = _rpc_api._default_pickler.serialize(obj)  # type: ignore[no-untyped-call]
+    return payload, list(tensors)
+
+
+def deserialize(payload: bytes, tensors: list[torch.Tensor]) -> Any:
+    """The object `serialize` made (`payload`, `tensors`)."""
+    return _rpc_api._default_pickler.deserialize(payload, tensors)  # type: ignore[no-untyped-call]
 
 
 def collect_for_wait_all(fut: Any) -> None:
@@ -556,15 +565,31 @@ def _named_read(read: Callable[[Any], Any], hooks: Hooks) -> Callable[[Any], Any
 def _held(add: Callable[..., Any], chained: bool = False) -> Callable[..., Any]:
     @functools.wraps(add)
     def add_callback(self: Any, callback: Callable[[Any], Any]) -> Any:
+        ours = chained and (self in _tags or self in _cancellers or self in _combined)
         if self in _tags:
             callback = functools.partial(_call_held, callback, self)
             _mark_read(self)
+        if ours:
+            callback = functools.partial(_carry_cancel, callback)
         child = add(self, callback)
-        if chained and (self in _tags or self in _cancellers or self in _combined):
+        if ours and _hooks is not None:
             combine(child, [self])  # cancelling what `then` made cancels its source
+            child._set_unwrap_func(_hooks.check_value)
         return child
 
     return add_callback
+
+
+def _carry_cancel(callback: Callable[[Any], Any], fut: Any) -> Any:
+    # torch would wrap an error the callback lets through in a RuntimeError; a cancel
+    # is carried as it is, so the Future `then` made fails with CancelledError itself.
+    try:
+        return callback(fut)
+    except CancelledError as cancelled:
+        hooks = _hooks
+        if hooks is None:
+            raise
+        return hooks.carry(cancelled)
 
 
 def _call_held(callback: Callable[[Any], Any], held: Any, fut: Any) -> Any:
@@ -851,6 +876,16 @@ def tensor_tables(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, An
     table, so reading the tables sees what the module holds now.
     """
     return module._parameters, module._buffers
+
+
+def module_tables(module: torch.nn.Module) -> dict[str, Any]:
+    """The table a module's own submodules live in (name -> module or None)."""
+    return module._modules
+
+
+def is_parametrized(module: torch.nn.Module) -> bool:
+    """True for a module with torch.nn.utils.parametrize parametrizations."""
+    return bool(torch.nn.utils.parametrize.is_parametrized(module))
 
 
 def profiling() -> bool:

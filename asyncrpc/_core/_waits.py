@@ -3,7 +3,10 @@
 A call waits on the calls it made (each worker's calls in flight carry the
 key of the call they were made from). A call that has not started on its
 callee waits for a free RPC thread there, so, when every RPC thread of that
-worker is busy, it waits on every call holding one::
+worker is busy, it waits on every call holding one. A reply, too, is
+delivered by one of the caller's RPC threads (torch completes a call's
+Future on its pool): a call its callee no longer runs, pending for a second
+or more while every RPC thread of the caller is busy, waits on those::
 
     worker0 f (thread 1) ──made──> worker1 g ──made──> worker0 h: not running, and
          ^                                              worker0's 2 threads are busy
@@ -23,7 +26,8 @@ from typing import Any
 __all__ = ["Step", "cycles", "describe"]
 
 Step = tuple[str, str]  # (worker, what it runs, or "(queued)")
-_Node = tuple[str, int]  # (worker, call key); key -1: the worker's queue
+_Node = tuple[str, int]  # (worker, call key); -1: calls queued there, -2: replies queued
+_REPLY_AGE_S = 1.0  # younger, a call the callee no longer runs may still be on the wire
 
 
 def cycles(reports: Sequence[dict[str, Any]]) -> list[list[Step]]:
@@ -74,9 +78,24 @@ def _graph(
             if call["parent"] not in running or callee is None:
                 continue  # made outside any call (a main thread): nothing waits on it
             target = _where(callee, call["key"])
+            if target is None and call.get("age_s", 0) >= _REPLY_AGE_S:
+                target = _reply_queue(report, edges, labels)
             if target is not None:
                 edges.setdefault((name, call["parent"]), set()).add(target)
     return edges, labels
+
+
+def _reply_queue(
+    caller: dict[str, Any], edges: dict[_Node, set[_Node]], labels: dict[_Node, str]
+) -> _Node | None:
+    """Where a reply waits when every RPC thread of its caller is busy, else None."""
+    busy = [c["key"] for c in caller["threads"] if c.get("thread") is not None]
+    if not busy or len(busy) < caller["total_threads"]:
+        return None
+    node = (caller["name"], -2)
+    labels[node] = f"(reply waits: all {caller['total_threads']} RPC threads busy)"
+    edges[node] = {(caller["name"], key) for key in busy}
+    return node
 
 
 def _where(callee: dict[str, Any], key: int) -> _Node | None:
@@ -104,6 +123,6 @@ def _cycles_from(start: _Node, edges: dict[_Node, set[_Node]]) -> list[list[_Nod
 
 def _canonical(cycle: list[_Node]) -> tuple[_Node, ...]:
     # From its smallest call (a queue is never first: it is where a call waits).
-    calls = [node for node in cycle if node[1] != -1] or cycle
+    calls = [node for node in cycle if node[1] >= 0] or cycle
     first = cycle.index(min(calls))
     return tuple(cycle[first:] + cycle[:first])

@@ -66,11 +66,23 @@ def decline(members: Sequence[Any]) -> str | None:
 
 def _check(members: Sequence[Any]) -> None:
     first = members[0]
+    seen: dict[int, int] = {}
     for i, member in enumerate(members):
         if not isinstance(member, torch.nn.Module):
             raise Declined(f"member {i} is a {type(member).__name__}, not an nn.Module")
         if isinstance(member, torch.jit.ScriptModule):
             raise Declined(f"member {i} is a TorchScript module (engine='fork' runs those)")
+        if id(member) in seen:
+            raise Declined(
+                f"member {i} is member {seen[id(member)]} again: a stacked call would run it "
+                "once, where one by one it runs twice"
+            )
+        seen[id(member)] = i
+        if any(_torch.is_parametrized(sub) for sub in member.modules()):
+            raise Declined(
+                f"member {i} uses torch.nn.utils.parametrize (weight_norm, spectral_norm, ...), "
+                "whose tensors are computed in forward, so there are none to stack"
+            )
         if type(member) is not type(first):
             raise Declined(
                 f"member {i} is a {type(member).__name__}, member 0 a {type(first).__name__}"

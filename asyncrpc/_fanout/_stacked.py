@@ -37,7 +37,7 @@ import torch
 from .._core import _torch
 from ._attributes import Attributes
 from ._check import RANDOM_REASON, Calls, deterministic, first_line, leaves, replay
-from ._decline import Declined, chain_of
+from ._decline import Declined, chain_of, decline
 from ._storage import Storage, Unstackable, storage_for
 
 __all__ = ["Stacked"]
@@ -49,12 +49,32 @@ class Stacked:
     def __init__(self, members: Sequence[torch.nn.Module]) -> None:
         self.members = tuple(members)
         self.count = len(members)
-        self.layers = chain_of(members[0])
-        self.template = copy.deepcopy(members[0]).to("meta")  # the code, not the weights
-        self.attributes = _attributes_of(self.members, self.template, self.layers is not None)
-        self.has_buffers = any(True for _ in members[0].buffers())
         self.storage: Storage | None = None  # made once the first call's check passed
         self._first = threading.Lock()
+        self._read_structure()
+
+    def _read_structure(self) -> None:
+        """What depends on the members' layers: the code to run and what to read per call."""
+        first = self.members[0]
+        self.layers = chain_of(first)
+        self.template = copy.deepcopy(first).to("meta")  # the code, not the weights
+        self.attributes = _attributes_of(self.members, self.template, self.layers is not None)
+        self.has_buffers = any(True for _ in first.buffers())
+        # Every submodule table, read each call: a layer replaced (`m[2] = nn.Linear(...)`,
+        # `m.head = ...`) has other tensors, attributes and code.
+        self._tables = [_torch.module_tables(sub) for m in self.members for sub in m.modules()]
+        self._structure = self._read_tables()
+
+    def _read_tables(self) -> list[tuple[Any, ...]]:
+        return list(map(tuple, map(dict.values, self._tables)))
+
+    def _restructure(self, serial: Callable[[], list[Any]]) -> None:
+        """A member's layers changed: check them again, and start over at the first call."""
+        reason = decline(self.members)
+        if reason is not None:
+            raise Declined(f"after a layer was replaced: {reason}", serial())
+        self.release()
+        self._read_structure()
 
     def run(self, calls: Calls, serial: Callable[[], list[Any]]) -> list[Any]:
         """The members' outputs for `calls`; `serial()` where this call cannot be stacked.
@@ -62,6 +82,8 @@ class Stacked:
         Raises `Declined` (after running `serial` for this call's results)
         when the engine must not be used again.
         """
+        if self._read_tables() != self._structure:
+            self._restructure(serial)
         if not self._stackable_now():
             return serial()
         if self.storage is None:
@@ -136,26 +158,38 @@ class Stacked:
         """One stacked call over `storage` (the members' tensors as its rows)."""
         held = storage.sync()
         args, kwargs, dims = _batch_inputs(calls)
-        params = self._params(storage, held)
-        if self.layers is not None and not kwargs and len(args) == 1:
-            each = dims[0] is not None
-            if _is_rows(args[0], each):
-                outputs = list(self._run_chain(params, args[0], each).unbind(0))
-                return self._as_members(outputs, storage, held, calls)
-        buffers = {name: storage.stacks[name] for name in storage.buffer_names}
-        outputs = self._run_vmap(params, buffers, args, kwargs, dims)
+        before = storage.versions()
+        params, copies = self._params(storage, held)
+        if (
+            self.layers is not None
+            and not kwargs
+            and len(args) == 1
+            and _is_rows(args[0], dims[0] is not None)
+        ):
+            outputs = list(self._run_chain(params, args[0], dims[0] is not None).unbind(0))
+        else:
+            buffers = {name: storage.stacks[name] for name in storage.buffer_names}
+            outputs = self._run_vmap(params, buffers, args, kwargs, dims)
+        _keep_in_place_writes(storage, copies)
+        storage.write_back(held, before)
         return self._as_members(outputs, storage, held, calls)
 
-    def _params(self, storage: Storage, held: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _params(
+        self, storage: Storage, held: list[torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, int]]]:
+        """The parameters the call reads, and the copies stacked in the graph (with versions)."""
         if not torch.is_grad_enabled():
-            return {name: storage.stacks[name] for name in storage.param_names}
-        params = {}
+            return {name: storage.stacks[name] for name in storage.param_names}, {}
+        params, copies = {}, {}
         for name in storage.param_names:
             group = storage.group(held, name)
-            # Stacked inside the graph, so gradients reach every member's own tensor.
-            needs = any(t.requires_grad for t in group)
-            params[name] = torch.stack(group) if needs else storage.stacks[name]
-        return params
+            if any(t.requires_grad for t in group):
+                # Stacked inside the graph, so gradients reach every member's own tensor.
+                stacked = params[name] = torch.stack(group)
+                copies[name] = (stacked, stacked._version)
+            else:
+                params[name] = storage.stacks[name]
+        return params, copies
 
     def _as_members(
         self, outputs: list[Any], storage: Storage, held: list[torch.Tensor], calls: Calls
@@ -202,6 +236,15 @@ class Stacked:
 
         vmapped = torch.func.vmap(one, in_dims=(0, 0, *dims), randomness="different")
         return _split(vmapped(params, buffers, *args), self.count)
+
+
+def _keep_in_place_writes(storage: Storage, copies: dict[str, tuple[torch.Tensor, int]]) -> None:
+    """A forward that changed a parameter in place (Embedding's max_norm, a clamp_) changed
+    the copy stacked in the graph: the members' own tensors, the stack's rows, get it too."""
+    for name, (stacked, version) in copies.items():
+        if stacked._version != version:
+            with torch.no_grad():
+                storage.stacks[name].copy_(stacked.detach())
 
 
 def _attributes_of(

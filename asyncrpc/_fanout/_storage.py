@@ -74,6 +74,7 @@ def slots_of(member: torch.nn.Module) -> list[_Slot]:
 
 
 _data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
 
 
 class Storage:
@@ -97,15 +98,15 @@ class Storage:
         self.stacks: dict[str, torch.Tensor] = {}
         self._rows: list[torch.Tensor] = [torch.empty(0)] * len(flat)
         self._expected: list[int] = [0] * len(flat)
-        self._foreign: set[int] = set()  # copied into their rows before every call
+        self._strides: list[tuple[int, ...]] = [()] * len(flat)
+        self._foreign: set[int] = set()  # copied in before every call, and back after
         self._lock = threading.Lock()
-        self._hooks = [
-            sub.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
-                functools.partial(_mark_entries, weakref.ref(self))
-            )
-            for m in members
-            for sub in m.modules()
-        ]
+        # A module-level hook, found by module: a member stays picklable and copyable.
+        self._hooks = []
+        for m in members:
+            for sub in m.modules():
+                _owners[sub] = self
+                self._hooks.append(sub.register_state_dict_post_hook(_mark_entries))  # type: ignore[no-untyped-call]
         held = self.held()
         with self._lock, _stacking():
             for k in range(len(self.names)):
@@ -120,16 +121,33 @@ class Storage:
         held = self.held()
         try:
             pointers = list(map(_data_ptr, held))
+            strides = list(map(_stride, held))  # `.data = w.t()` keeps the pointer
         except TypeError:  # a slot set to None
             raise Unstackable("a member's parameter or buffer was set to None") from None
-        if pointers != self._expected:
+        if pointers != self._expected or strides != self._strides:
             with self._lock, _stacking():
-                self._repoint(held, pointers)
+                self._repoint(held, pointers, strides)
         if self._foreign:
             with _stacking():
                 for j in list(self._foreign):
                     self._rows[j].copy_(held[j])
         return held
+
+    def versions(self) -> dict[str, int]:
+        """Each stack's version: a stacked call that changes one in place bumps it."""
+        return {name: stack._version for name, stack in self.stacks.items()}
+
+    def write_back(self, held: list[torch.Tensor], before: dict[str, int]) -> None:
+        """Copy rows a stacked call changed in place into members' shared tensors."""
+        if not self._foreign:
+            return
+        changed = {k for k, name in enumerate(self.names) if self.stacks[name]._version
+                   != before.get(name)}  # fmt: skip
+        for j in self._foreign:
+            if j // self.count in changed:
+                tensor = held[j]
+                with torch.no_grad(), torch.inference_mode(tensor.is_inference()):
+                    tensor.copy_(self._rows[j])
 
     def group(self, held: list[torch.Tensor], name: str) -> list[torch.Tensor]:
         """The members' tensors of `name`, in member order."""
@@ -153,9 +171,13 @@ class Storage:
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
+            for sub, owner in list(_owners.items()):
+                if owner is self:
+                    del _owners[sub]
             self.stacks.clear()
             self._rows = [torch.empty(0)] * len(self._rows)
             self._expected = [-1] * len(self._rows)
+            self._strides = [()] * len(self._rows)
             self._foreign.clear()
 
     def owns(self, tensor: torch.Tensor) -> bool:
@@ -163,9 +185,15 @@ class Storage:
         base = tensor.untyped_storage().data_ptr()
         return any(s.untyped_storage().data_ptr() == base for s in self.stacks.values())
 
-    def _repoint(self, held: list[torch.Tensor], pointers: list[int]) -> None:
+    def _repoint(
+        self, held: list[torch.Tensor], pointers: list[int], strides: list[tuple[int, ...]]
+    ) -> None:
         restacked: set[int] = set()
-        for j in [j for j, p in enumerate(pointers) if p != self._expected[j]]:
+        moved = [
+            j for j, (p, st) in enumerate(zip(pointers, strides, strict=True))
+            if p != self._expected[j] or st != self._strides[j]
+        ]  # fmt: skip
+        for j in moved:
             k = j // self.count
             if k in restacked:
                 continue
@@ -174,7 +202,8 @@ class Storage:
                 self._restack(k, held)  # every member's tensor of this name, or Unstackable
                 restacked.add(k)
                 continue
-            row.copy_(tensor)
+            # A view of the stack itself (`.data = w.t()`) overlaps the row: copy a clone.
+            row.copy_(tensor.clone() if self.owns(tensor) else tensor)
             self._adopt(j, tensor)
 
     def _restack(self, k: int, held: list[torch.Tensor]) -> None:
@@ -188,20 +217,23 @@ class Storage:
             self._adopt(j, tensor)
 
     def _adopt(self, j: int, tensor: torch.Tensor) -> None:
-        """Make `tensor` a view of row j, or copy it in every call if others share it."""
+        """Make `tensor` a view of row j, or copy it in and out every call if it cannot be.
+
+        A tensor whose memory another tensor shares stays as it is (the sharing is
+        the user's), and so does an inference tensor (it cannot take other data).
+        """
         row = self._rows[j]
-        if _torch.storage_shared(tensor):
+        shared = _torch.storage_shared(tensor) and not self.owns(tensor)  # the stack is ours
+        if tensor.is_inference() or shared:
             self._foreign.add(j)
-            self._expected[j] = _data_ptr(tensor)
-            return
-        try:
-            tensor.data = row
-        except RuntimeError:  # an inference tensor, say: it cannot be re-pointed
-            self._foreign.add(j)
-            self._expected[j] = _data_ptr(tensor)
-            return
-        self._foreign.discard(j)
-        self._expected[j] = _data_ptr(row)
+        else:
+            try:
+                tensor.data = row
+                self._foreign.discard(j)
+            except RuntimeError:
+                self._foreign.add(j)
+        self._expected[j] = _data_ptr(tensor)
+        self._strides[j] = tensor.stride()
 
 
 _shared: weakref.WeakValueDictionary[tuple[int, ...], Storage] = weakref.WeakValueDictionary()
@@ -242,16 +274,15 @@ class _stacking:
 # ---- state dicts: an entry that is a row saves and copies as itself alone -------------
 
 
+_owners: weakref.WeakKeyDictionary[torch.nn.Module, Storage] = weakref.WeakKeyDictionary()
+
+
 def _mark_entries(
-    owner: weakref.ref[Storage],
-    module: torch.nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Any,
+    module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
-    storage = owner()
+    storage = _owners.get(module)
     if storage is None or not storage.stacks:
-        return
+        return  # a copy of a member (the hook came along), or the stacks are gone
     for table in _torch.tensor_tables(module):
         for key, own in table.items():
             entry = state_dict.get(prefix + key)

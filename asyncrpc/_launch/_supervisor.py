@@ -22,6 +22,7 @@ silent peer ends the world on every node, or restarts it (the launcher's
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -32,7 +33,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -40,6 +41,7 @@ from typing import Any
 from .._core import _context, _rendezvous, _world
 from .._core._errors import WorkerFailedError, WorkerUnreachableError
 from .._core._liveness import leave_world
+from . import _parent
 
 __all__ = ["run"]
 
@@ -197,13 +199,15 @@ def _run_embedded(
     # Each worker reads `alive` until this process ends, however it ends (SIGKILL
     # too): then the read sees the end of the pipe, and the worker stops itself.
     alive, held = spawner.Pipe(duplex=False)
+    environ = dict(os.environ)
     try:
         for rank in range(world_size):
             reader, writer = spawner.Pipe(duplex=False)
             spec = (rank, world_size, names[rank], host, store.port, settings, roles, attempt,
-                    dict(os.environ), outputs, alive)  # fmt: skip
+                    environ, outputs, alive)  # fmt: skip
             proc = spawner.Process(target=_worker, args=(payload, spec, writer), name=names[rank])
-            proc.start()
+            with _forkserver_dies_with_this_process():
+                proc.start()
             writer.close()
             procs.append(proc)
             errors.append(reader)
@@ -221,7 +225,7 @@ def _run_embedded(
 # What the warm interpreter imports once, before it forks any worker. Not the script:
 # a script that runs torch ops when imported would start OpenMP's thread pool in the
 # warm interpreter, and workers forked from it hang at their first parallel op.
-_PRELOAD = ["torch", "torch.distributed.rpc", "asyncrpc"]
+_PRELOAD = ["torch", "torch.distributed.rpc", "asyncrpc", "asyncrpc._launch._parent"]
 
 
 def _spawner(method: str) -> Any:
@@ -234,6 +238,20 @@ def _spawner(method: str) -> Any:
     if method == "forkserver":
         context.set_forkserver_preload(_PRELOAD)
     return context
+
+
+@contextlib.contextmanager
+def _forkserver_dies_with_this_process() -> Iterator[None]:
+    """A forkserver started inside the block dies when this process ends (`_parent`)."""
+    before = os.environ.get(_parent.PARENT_VARIABLE)
+    os.environ[_parent.PARENT_VARIABLE] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_parent.PARENT_VARIABLE, None)
+        else:
+            os.environ[_parent.PARENT_VARIABLE] = before
 
 
 def _caller_output() -> tuple[Connection | None, ...]:
@@ -277,11 +295,13 @@ def _pickled_main(main: Callable[..., object], args: tuple[Any, ...]) -> bytes:
             f"pickled ({type(exc).__name__}: {exc}); pass module-level functions and "
             f"classes, and plain data or tensors as args"
         ) from exc
-    if pickler.found and not getattr(sys.modules.get("__main__"), "__file__", None):
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if pickler.found and not (script and os.path.isfile(script)):  # python -c, "<stdin>"
         raise TypeError(
             f"asyncrpc.run starts worker processes that import main and args by name, but "
             f"{', '.join(sorted(pickler.found))} is defined in a program that has no file "
-            f"(python -c, a notebook or the interactive prompt), which they cannot import; "
+            f"(python -c, a script read from stdin, a notebook or the interactive prompt), "
+            f"which they cannot import; "
             f"put main (and what args holds) in a .py file and run that file, or import "
             f"them from a module (in a notebook: %%writefile my_world.py, then "
             f"`from my_world import main`)"
@@ -320,7 +340,9 @@ def _load_main(payload: bytes) -> tuple[Callable[..., object], tuple[Any, ...]]:
 def _worker(
     payload: bytes, spec: tuple[Any, ...], errors: multiprocessing.connection.Connection
 ) -> None:
+    parent = os.getppid()  # the forkserver, or this process's spawner
     rank, world_size, name, host, port, settings, roles, attempt, environ, outputs, alive = spec
+    _parent.die_with_parent(parent)  # the kernel's signal: needs no GIL
     _watch_parent(alive)
     # Forked from the warm interpreter, a worker has that interpreter's environment and
     # output: take the caller's as they are now, as a spawned worker would.
