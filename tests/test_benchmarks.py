@@ -21,6 +21,10 @@ CASES = {
         ["--calls", "100", "--rounds", "1"],
         ["rpc_sync", "rpc_async x 100, wait_all"],
     ),
+    "inspect_costs": (
+        "--rounds 1 --calls 100 --dump-workers 3 --top-workers 4 --idle-seconds 1".split(),
+        ["| rpc_sync |", "| rpc_async x 100, wait_all |"],
+    ),
     "cancel_bookkeeping": (
         ["--blocks", "2", "--per-block", "300"],
         ["CPU per block, last / first"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -33,9 +34,11 @@ def _env(runtime: pathlib.Path) -> dict[str, str]:
 
 
 def _start(argv: list[str], runtime: pathlib.Path) -> subprocess.Popen[str]:
+    # A session of its own: the test ends the whole world at once (a world torch's
+    # mp.spawn started has no asyncrpc supervisor to take its workers along).
     return subprocess.Popen(
         argv, cwd=ROOT, env=_env(runtime), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
+        text=True, start_new_session=True,
     )  # fmt: skip
 
 
@@ -71,8 +74,10 @@ def _restore_runtime() -> None:
 
 
 def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
-    if proc.poll() is None:
-        proc.kill()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     return proc.communicate(timeout=30)
 
 

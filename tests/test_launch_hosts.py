@@ -326,3 +326,41 @@ def test_a_load_run_over_a_delaying_lossy_link_ends_every_call(hosts: tuple[Host
     assert set(failed) <= {"CallTimeoutError", "WorkerUnreachableError"}, failed
     assert result["ok"] + sum(failed.values()) == result["calls"]
     assert result["dropped_packets"] > 0, "the link dropped nothing: the test shaped no fault"
+
+
+def test_asyncrpc_dump_on_either_host_sees_every_worker(
+    hosts: tuple[Host, Host], tmp_path: pathlib.Path
+) -> None:
+    # Each host has a runtime folder of its own, as separate machines do: host 1's
+    # command finds only its own workers' registrations, and asks all four through
+    # the world's store on host 0.
+    folders = [tmp_path / f"host{i}" for i in range(2)]
+    procs = []
+    for rank, (host, folder) in enumerate(zip(hosts, folders, strict=True)):
+        folder.mkdir()
+        launcher = [sys.executable, "-m", "asyncrpc._launch._cli", "--nnodes", "2"]
+        launcher += ["--node-rank", str(rank), "--rdzv-endpoint", f"{ADDRESSES[0]}:{PORT}"]
+        launcher += ["--nproc-per-node", "2", str(PROGRAMS / "busy_world.py"), "30"]
+        procs.append(start_program("ip", "netns", "exec", host.namespace, *launcher,
+                                   env={"XDG_RUNTIME_DIR": str(folder)}))  # fmt: skip
+    try:
+        assert procs[0].stdout is not None
+        assert procs[0].stdout.readline().startswith("BUSY"), "worker0 never got busy"
+        dump = subprocess.run(
+            ["ip", "netns", "exec", hosts[1].namespace, sys.executable, "-m",
+             "asyncrpc._inspect._dump", "--json"],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "XDG_RUNTIME_DIR": str(folders[1])},
+        )  # fmt: skip
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    assert dump.returncode == 0, dump.stderr[-3000:]
+    result = json.loads(dump.stdout)
+    assert result["world"] == f"{ADDRESSES[0]}:{PORT}"
+    workers = result["workers"]
+    assert [w["name"] for w in workers] == ["worker0", "worker1", "worker2", "worker3"]
+    assert all(w["pid"] for w in workers)
+    crunch = workers[1]["threads"][0]
+    assert crunch["call"] == "crunch()" and crunch["caller"] == "worker0"
