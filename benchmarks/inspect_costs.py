@@ -80,28 +80,31 @@ def _burst(call: Any, n: int, x: torch.Tensor) -> float:
 
 
 def bookkeeping(ctx: asyncrpc.Context, rounds: int, calls: int) -> None:
+    """Each sample is `calls` calls of one way; the ways take turns sample by sample."""
     x = torch.ones(16)
     ways = {
         "torch": (rpc.rpc_sync, rpc.rpc_async, True),
-        "asyncrpc, bookkeeping on": (asyncrpc.rpc_sync, asyncrpc.rpc_async, True),
-        "asyncrpc, bookkeeping out": (asyncrpc.rpc_sync, asyncrpc.rpc_async, False),
+        "on": (asyncrpc.rpc_sync, asyncrpc.rpc_async, True),
+        "out": (asyncrpc.rpc_sync, asyncrpc.rpc_async, False),
     }
     times: dict[str, dict[str, list[float]]] = {w: {"sync": [], "async": []} for w in ways}
-    for r in range(rounds + 1):
+    samples = rounds * 10
+    for r in range(samples + 3):
         order = list(ways.items())
         for name, (sync, burst, on) in order[r % 3 :] + order[: r % 3]:
             _everywhere(ctx, on)
-            took = (_sync(sync, calls, x), _burst(burst, calls, x))
-            if r:  # round 0 warms up
+            took = (_sync(sync, max(1, calls // 10), x), _burst(burst, max(100, calls // 4), x))
+            if r >= 3:  # the first turns warm up
                 times[name]["sync"].append(took[0])
                 times[name]["async"].append(took[1])
     _everywhere(ctx, True)
+    print(f"bookkeeping: {samples} samples per way, ways alternated sample by sample, medians")
     print("| path | torch | asyncrpc, bookkeeping on | bookkeeping out | on/torch | out/torch "
           "| bookkeeping adds |\n| --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
     for path, label in (("sync", "rpc_sync"), ("async", "rpc_async x 100, wait_all")):
         raw = statistics.median(times["torch"][path])
-        on = statistics.median(times["asyncrpc, bookkeeping on"][path])
-        out = statistics.median(times["asyncrpc, bookkeeping out"][path])
+        on = statistics.median(times["on"][path])
+        out = statistics.median(times["out"][path])
         adds = 100 * (on / out - 1)
         print(f"| {label} | {raw * 1e6:.0f} us | {on * 1e6:.0f} us | {out * 1e6:.0f} us "
               f"| {on / raw:.3f}x | {out / raw:.3f}x | {adds:+.1f}% |")  # fmt: skip

@@ -169,6 +169,38 @@ def test_a_busy_worker_shows_in_top_and_its_stack_in_the_dump(tmp_path: pathlib.
     assert dump["cycles"] == []
 
 
+def test_the_live_top_draws_a_table_a_terminal_shows(tmp_path: pathlib.Path) -> None:
+    import pty
+
+    world = _start([sys.executable, BUSY, "20"], tmp_path)
+    screen = b""
+    try:
+        _registered(tmp_path, 2)
+        primary, secondary = pty.openpty()
+        env = {**_env(tmp_path), "TERM": "xterm-256color", "COLUMNS": "160", "LINES": "40"}
+        top = subprocess.Popen(
+            [bin_path("asyncrpc-top"), "--interval", "0.5"], cwd=ROOT, env=env,
+            stdin=secondary, stdout=secondary, stderr=secondary,
+        )  # fmt: skip
+        os.close(secondary)
+        deadline = time.monotonic() + 30
+        while screen.count(b"asyncrpc world") < 2 and time.monotonic() < deadline:
+            try:
+                screen += os.read(primary, 65536)  # redrawn in place, each interval
+            except OSError:
+                break
+        top.send_signal(signal.SIGINT)  # Ctrl-C: leaves quietly
+        top.wait(10)
+        os.close(primary)
+    finally:
+        _stop(world)
+    text = screen.decode(errors="replace")
+    assert text.count("asyncrpc world") >= 2, text[-2000:]
+    assert "worker0" in text and "worker1" in text and "busy/threads" in text
+    assert "\x1b[" in text and "━" in text  # drawn by rich, in place, as a terminal shows it
+    assert top.returncode == 0
+
+
 def test_the_commands_say_when_no_world_or_several_are_running(tmp_path: pathlib.Path) -> None:
     for command in ("asyncrpc-dump", "asyncrpc-top"):
         done = _command(command, tmp_path, *(["--once"] if command.endswith("top") else []))
