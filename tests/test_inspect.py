@@ -276,6 +276,25 @@ def test_a_call_that_ends_before_the_bound_logs_nothing() -> None:
     assert "hang_report.py:" in reports[0] and "in slow" in reports[0]
 
 
+def test_hang_reports_in_a_world_torch_started_come_from_the_environment(
+    tmp_path: pathlib.Path,
+) -> None:
+    env_runtime = tmp_path / "runtime"
+    env_runtime.mkdir()
+    world = subprocess.Popen(
+        [sys.executable, BUSY, "20", "--torch"], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**_env(env_runtime), "ASYNCRPC_HANG_REPORT_AFTER": "1"},
+    )  # fmt: skip
+    reports = _Lines(world.stderr)
+    try:
+        err = reports.wait_for("call to crunch() on worker1 still pending after 1 s")
+    finally:
+        _stop(world)
+    assert "call to crunch() on worker1 still pending after 1 s: worker1 runs it at" in err
+    assert "busy_world.py:" in err and "in crunch" in err
+
+
 def test_cycles_are_found_once_from_the_dumps() -> None:
     def worker(name: str, threads: list[Any], in_flight: list[Any], total: int = 2) -> Any:
         return {"name": name, "total_threads": total, "threads": threads, "in_flight": in_flight}

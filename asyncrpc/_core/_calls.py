@@ -74,6 +74,7 @@ class Call(NamedTuple):
     seconds: float  # the timeout in torch's terms (-1: the world's default)
     label: object  # the function, or a text such as "Counter.add()"
     sent: Sent  # where it goes and its key: its Future's tag (naming, cancel)
+    hang_after: float | None = None  # report it if still pending then (_hang)
 
 
 # ---- the public verbs -----------------------------------------------------------------
@@ -199,7 +200,7 @@ def check(
     label = func if label is None else label
     callee = int(to.id) if isinstance(to, WorkerInfo) else world.context.names.index(worker)
     sent = Sent(worker, label, callee, new_key(world.context.rank))
-    return Call(worker, to, func, args, kwargs, seconds, label, sent)
+    return Call(worker, to, func, args, kwargs, seconds, label, sent, world.hang_after)
 
 
 def _worker_name(verb: str, to: object, names: Sequence[str]) -> str:
@@ -255,9 +256,8 @@ def send(call: Call, cancellable: bool = True) -> Future[Any]:
         # torch's operators run without a cancel key: a cancel fails the Future only.
         reply = Reply(call.sent if func is not traced else call.sent._replace(key=0))
         out = reply.future  # tagged with the Reply; taken first: the reply may be in already
-        world = _world._world
-        if world is not None and world.settings is not None and world.settings.hang_report_after:
-            _hang.watch(reply, world.settings.hang_report_after, world.context.names)
+        if call.hang_after:
+            _hang.watch(reply, call.hang_after, _world.current_context().names)
         _torch.add_callback(fut, reply)
         fut = out
     else:

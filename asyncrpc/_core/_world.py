@@ -62,6 +62,7 @@ class World:
     froze_gc: bool = False  # this world froze the heap (gc.freeze); its shutdown thaws it
     liveness: Liveness | None = None  # the peers' heartbeats (launched and init worlds)
     registration: str | None = None  # this worker's file for asyncrpc-dump/top (_registry)
+    hang_after: float | None = None  # Settings.hang_report_after, or ASYNCRPC_HANG_REPORT_AFTER
     # torch's WorkerInfo per name, filled on first use: handing torch a WorkerInfo
     # spares it a lookup by name on every call.
     infos: dict[str, WorkerInfo] = dataclasses.field(default_factory=dict)
@@ -112,11 +113,26 @@ def _adopt() -> World:
     me = rpc.get_worker_info()
     names = tuple(str(info.name) for info in infos)
     context = Context(int(me.id), len(names), str(me.name), names, _leave=_leave)
-    world = World(context, _torch.agent_threads())
+    world = World(context, _torch.agent_threads(), hang_after=_hang_after_from_env())
     _install_hooks()  # first: a world is only cached once torch is patched for it
     _watch(world, _cancel.SIDE_PREFIX)
     _adopted = (agent, world)
     return world
+
+
+def _hang_after_from_env() -> float | None:
+    """ASYNCRPC_HANG_REPORT_AFTER (seconds): hang reports in any world, torch's own too."""
+    raw = os.environ.get("ASYNCRPC_HANG_REPORT_AFTER", "")
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"environment variable ASYNCRPC_HANG_REPORT_AFTER={raw!r} is not a number of "
+            f"seconds; set it to e.g. 30, or unset it"
+        ) from None
+    return seconds if seconds > 0 else None
 
 
 def _watch(world: World, prefix: str) -> None:
@@ -285,7 +301,10 @@ def start(
         context = Context(rank, world_size, name, names, roles_seen, attempt, _leave=_leave)
         # Peers may call in as soon as the agent starts, before init_rpc returns
         # here: the world must already be visible to the functions they run.
-        world = World(context, settings.num_worker_threads, store, settings)
+        world = World(
+            context, settings.num_worker_threads, store, settings,
+            hang_after=settings.hang_report_after or _hang_after_from_env(),
+        )  # fmt: skip
         try:
             _install_hooks()
             _world = world
@@ -470,7 +489,7 @@ def _end_world(world: World | None, left: bool) -> None:
             world.liveness.stop(left=left)
         _cancel.stop_watching()  # it served cancels while the shutdown served calls
         _threadstates.forget()
-        if world is not None and world.settings is not None and world.settings.hang_report_after:
+        if world is not None and world.hang_after:
             _hang.stop()
         if world is not None:
             _put_back(world)
