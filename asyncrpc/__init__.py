@@ -36,7 +36,16 @@ from ._core._errors import (
     WorldSizeMismatchError,
 )
 from ._core._execution import async_execution
-from ._core._futures import enable_await
+from ._core._futures import (
+    as_completed,
+    chain,
+    completed,
+    enable_await,
+    failed,
+    gather,
+    wait_first,
+    with_timeout,
+)
 from ._core._stream import Stream, stream
 from ._core._unwaited import log_unwaited_failures
 from ._core._world import Context, Settings, current_context, init, shutdown
@@ -47,15 +56,6 @@ from ._handles import RemoteModule, RemoteObject, call_all, spawn
 from ._launch._supervisor import run
 from ._trace._render import render_trace
 from ._trace._trace import Trace, trace
-from .futures import (
-    as_completed,
-    chain,
-    completed,
-    failed,
-    gather,
-    wait_first,
-    with_timeout,
-)
 
 __version__ = "0.1.0"
 
@@ -114,3 +114,15 @@ __all__ = (
     "wait_first",
     "with_timeout",
 )
+
+
+def _public_here() -> None:
+    # Every public name is asyncrpc's: tracebacks, reprs, pickles and the reference
+    # say `asyncrpc.CallTimeoutError`, not the private module that defines it.
+    for name in __all__:
+        obj = globals()[name]
+        if getattr(obj, "__module__", "").startswith("asyncrpc."):
+            obj.__module__ = __name__
+
+
+_public_here()

@@ -208,8 +208,10 @@ def ray_ways() -> dict[str, Callable[..., Any]]:
 # ---- measuring --------------------------------------------------------------------------------
 
 
-def measure(rounds: int, n: int, ray: dict[str, Callable[..., Any]] | None) -> list[list[str]]:
-    """Rows of (row, asyncrpc, Ray, Ray/ours), the two alternated round by round."""
+def measure(
+    rounds: int, n: int, ray: dict[str, Callable[..., Any]] | None
+) -> dict[str, dict[str, Any]]:
+    """Figures per row (`figures`), asyncrpc and Ray alternated round by round."""
     ours = {
         "cancel": asyncrpc_cancel,
         "stream": asyncrpc_stream,
@@ -232,49 +234,52 @@ def measure(rounds: int, n: int, ray: dict[str, Callable[..., Any]] | None) -> l
                 _add(samples[way], "single calls/s", few / run["single_calls"](few, small))
             if r < 2:
                 _add(samples[way], "backpressure", run["backpressure"](f"{way}-bp-{r}"))
-    return _rows(samples)
+    return figures(samples)
 
 
 def _add(into: dict[str, list[float]], key: str, value: float) -> None:
     into.setdefault(key, []).append(value)
 
 
-def _rows(samples: dict[str, dict[str, list[float]]]) -> list[list[str]]:
-    def med(way: str, key: str) -> float | None:
-        values = samples.get(way, {}).get(key)
-        return statistics.median(values) if values else None
+_ROWS = (  # sample key, row, unit (seconds for "ms" rows), higher is better
+    ("cancel seen", "cancel: to the callee's coroutine", "ms", False),
+    ("cancel failed", "cancel: to the caller's Future failing", "ms", False),
+    ("small items/s", "stream of small items (64 B)", "items/s", True),
+    ("single calls/s", "  a loop of single calls, for scale", "items/s", True),
+    ("MiB/s", "stream of 1 MiB items", "MiB/s", True),
+    ("backpressure", f"items made ahead while the consumer stops {PAUSE_S:g} s", "", False),
+)
 
-    rows = []
-    for key, label, unit, higher in (
-        ("cancel seen", "cancel: to the callee's coroutine", "ms", False),
-        ("cancel failed", "cancel: to the caller's Future failing", "ms", False),
-        ("small items/s", "stream of small items (64 B)", "items/s", True),
-        ("single calls/s", "  a loop of single calls, for scale", "items/s", True),
-        ("MiB/s", "stream of 1 MiB items", "MiB/s", True),
-        ("backpressure", f"items made ahead while the consumer stops {PAUSE_S:g} s", "", False),
-    ):
-        ours, theirs = med("asyncrpc", key), med("ray", key)
-        cells = [_fmt(v, unit) for v in (ours, theirs)]
+
+def figures(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, Any]]:
+    """Row -> unit, each way's median (seconds for "ms" rows) and Ray/ours (or None)."""
+    rows = {}
+    for key, label, unit, higher in _ROWS:
+        row: dict[str, Any] = {"unit": "s" if unit == "ms" else unit, "higher_is_better": higher}
+        for way in ("asyncrpc", "ray"):
+            values = samples.get(way, {}).get(key)
+            row[way] = statistics.median(values) if values else None
+        ours, theirs = row["asyncrpc"], row["ray"]
+        row["ray_over_ours"] = None
         if ours and theirs:
-            ratio = ours / theirs if higher else theirs / ours
-            cells.append(f"{ratio:.1f}x")
-        else:
-            cells.append("-")
-        rows.append([label, *cells])
+            row["ray_over_ours"] = ours / theirs if higher else theirs / ours
+        rows[label] = row
     return rows
 
 
 def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
-    if unit == "ms":
+    if unit == "s":
         return f"{value * 1e3:.2f} ms"
     return f"{value:,.0f} {unit}".strip()
 
 
-def print_rows(rows: list[list[str]]) -> None:
+def print_rows(rows: dict[str, dict[str, Any]]) -> None:
     print(f"{'row':<56}{'asyncrpc':>16}{'Ray':>16}{'Ray/ours':>10}")
-    for label, ours, theirs, ratio in rows:
+    for label, row in rows.items():
+        ours, theirs = (_fmt(row[way], row["unit"]) for way in ("asyncrpc", "ray"))
+        ratio = "-" if row["ray_over_ours"] is None else f"{row['ray_over_ours']:.1f}x"
         print(f"{label:<56}{ours:>16}{theirs:>16}{ratio:>10}")
     print("Ray/ours: how many times better asyncrpc is (shorter time, more items/s; "
           "for backpressure, fewer items made ahead)")  # fmt: skip

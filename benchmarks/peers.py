@@ -27,7 +27,10 @@ Ray is optional: `pip install 'asyncrpc[bench]'` (or `pip install ray`).
 Without it the Ray rows are skipped and the rest run.
 
     python benchmarks/peers.py [--calls 200] [--rounds 5] [--startups 3] [--no-ray]
-        [--beyond-rounds 20] [--stream-items 2000]
+        [--beyond-rounds 20] [--stream-items 2000] [--json PATH]
+
+--json PATH also writes every figure printed, with the run's date, machine,
+versions and command line (benchmarks/run_record.py), for benchmarks/charts.py.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from torch.futures import Future
 import asyncrpc
 
 import ray_peer  # before anything imports Ray: it keeps Ray on loopback
+import run_record
 
 Way = Callable[[], object]
 _IN_FLIGHT = 1000
@@ -208,7 +212,7 @@ def main(ctx: asyncrpc.Context, opts: argparse.Namespace) -> None:
     beyond = beyond_torch.ray_ways() if ray else None
     beyond_rows = beyond_torch.measure(opts.beyond_rounds, opts.stream_items, beyond)
     with open(opts.results, "w") as f:
-        json.dump({"rows": measured, "beyond": beyond_rows}, f)
+        json.dump({"rows": measured, "beyond": beyond_rows, "ray_sockets": ray_peer.sockets}, f)
 
 
 # ---- start-up and shutdown, each in a fresh process ----------------------------------
@@ -338,17 +342,30 @@ def _stamp(line: str) -> tuple[str, float] | None:
 # ---- the report -----------------------------------------------------------------------
 
 
-def _report(results: dict[str, dict[str, float]]) -> None:
-    print(f"{'row':<40}{'asyncrpc':>12}{'torch':>12}{'Ray':>12}{'vs torch':>10}{'Ray/ours':>10}")
+def _figures(results: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """Row -> seconds per way, calls/s (rows of calls in flight) and the two ratios."""
+    rows = {}
     for row, ways in results.items():
-        rate = "in flight" in row
+        ours = ways["asyncrpc"]
+        figures: dict[str, Any] = {"seconds": dict(ways)}
+        if "in flight" in row:
+            figures["calls_per_s"] = {way: _IN_FLIGHT / s for way, s in ways.items()}
+        figures["vs_torch"] = ours / ways["torch"] if "torch" in ways else None
+        figures["ray_over_ours"] = ways["ray"] / ours if "ray" in ways else None
+        rows[row] = figures
+    return rows
+
+
+def _report(rows: dict[str, dict[str, Any]]) -> None:
+    print(f"{'row':<40}{'asyncrpc':>12}{'torch':>12}{'Ray':>12}{'vs torch':>10}{'Ray/ours':>10}")
+    for row, figures in rows.items():
         cells = []
         for way in ("asyncrpc", "torch", "ray"):
-            s = ways.get(way)
-            cells.append("-" if s is None else f"{_IN_FLIGHT / s:.0f}/s" if rate else _seconds(s))
-        ours = ways["asyncrpc"]
-        vs_torch = f"{ours / ways['torch']:.2f}x" if "torch" in ways else "-"
-        vs_ray = f"{ways['ray'] / ours:.1f}x" if "ray" in ways else "-"
+            s = figures["seconds"].get(way)
+            rate = figures.get("calls_per_s", {}).get(way)
+            cells.append("-" if s is None else f"{rate:.0f}/s" if rate else _seconds(s))
+        vs_torch = "-" if figures["vs_torch"] is None else f"{figures['vs_torch']:.2f}x"
+        vs_ray = "-" if figures["ray_over_ours"] is None else f"{figures['ray_over_ours']:.1f}x"
         print(f"{row:<40}{cells[0]:>12}{cells[1]:>12}{cells[2]:>12}{vs_torch:>10}{vs_ray:>10}")
     print("vs torch: asyncrpc's time / torch's (<= 1 is as fast); Ray/ours: Ray's time / "
           "asyncrpc's (for calls in flight: asyncrpc's calls/s over Ray's)")  # fmt: skip
@@ -366,6 +383,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--no-ray", action="store_true", help="leave Ray out")
     parser.add_argument("--beyond-rounds", type=int, default=20, help="cancel rounds")
     parser.add_argument("--stream-items", type=int, default=2000, help="items per stream sample")
+    parser.add_argument("--json", metavar="PATH", help="also write this run's figures here")
     parser.add_argument("--probe", choices=sorted(_PROBES), help=argparse.SUPPRESS)
     parser.add_argument("--results", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -384,16 +402,24 @@ def _run(opts: argparse.Namespace) -> None:
         asyncrpc.run(main, 3, args=(opts,))
         with open(opts.results) as f:
             measured = json.load(f)
-    results = measured["rows"]
+    calls = _figures(measured["rows"])
+    startup = {}
     if opts.startups:
         ray = ray_peer.installed() and not opts.no_ray
         ways = ["asyncrpc", "torch"] + (["ray"] if ray else [])
-        results.update(_time_startups(ways, opts.startups))
-    _report(results)
+        startup = _figures(_time_startups(ways, opts.startups))
+    _report({**calls, **startup})
     print()
     import beyond_torch
 
     beyond_torch.print_rows(measured["beyond"])
+    if opts.json:
+        options = {k: v for k, v in vars(opts).items() if k not in ("probe", "results", "json")}
+        run_record.write(opts.json, {
+            "benchmark": "peers", "options": options, "in_flight": _IN_FLIGHT,
+            "calls": calls, "startup": startup, "beyond": measured["beyond"],
+            "ray_sockets": measured["ray_sockets"],
+        })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-__all__ = ["installed", "start"]
+__all__ = ["installed", "sockets", "start"]
+
+# What the last `start` found: Ray's new listening sockets, and those off loopback.
+sockets: dict[str, object] = {}
 
 
 def installed() -> bool:
@@ -42,6 +45,7 @@ def start() -> bool:
     opened = _listeners() - before
     off = sorted(f"{a}:{p}" for a, p in opened if not _is_loopback(a))
     where = "all on loopback" if not off else f"{len(off)} off loopback: {off[:4]}"
+    sockets.update(opened=len(opened), off_loopback=off)
     print(f"Ray's listening sockets: {len(opened)}, {where}", flush=True)
     return True
 

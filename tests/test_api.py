@@ -31,3 +31,16 @@ def test_errors_derive_from_the_base_and_a_builtin() -> None:
         obj = getattr(asyncrpc, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, asyncrpc.AsyncRPCError)
+
+
+def test_every_public_name_is_asyncrpcs_own_and_exported_once() -> None:
+    import pickle
+
+    for name in asyncrpc.__all__:
+        obj = getattr(asyncrpc, name)
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            assert obj.__module__ == "asyncrpc", (name, obj.__module__)
+            assert pickle.loads(pickle.dumps(obj)) is obj  # found by that name
+    assert not hasattr(asyncrpc, "futures")  # one home per name: asyncrpc.gather
+    error = asyncrpc.CallTimeoutError("late", "worker1")
+    assert repr(type(error)) == "<class 'asyncrpc.CallTimeoutError'>"

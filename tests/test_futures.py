@@ -1,4 +1,4 @@
-"""asyncrpc.futures on every engine that makes Futures: threads, jit.fork, RPC workers."""
+"""Future composition on every engine that makes Futures: threads, jit.fork, RPC workers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 from torch.futures import Future
 
 import asyncrpc
-from asyncrpc import futures
 
 Make = Callable[[Any, float], Future[Any]]
 
@@ -59,20 +58,20 @@ class ShardMissing(KeyError):
 
 
 def test_completed_and_failed_keep_value_and_type() -> None:
-    assert futures.completed(3).wait() == 3
+    assert asyncrpc.completed(3).wait() == 3
     with pytest.raises(ShardMissing):
-        futures.failed(ShardMissing("s1")).wait()
+        asyncrpc.failed(ShardMissing("s1")).wait()
     with pytest.raises(TypeError, match="exception instance"):
-        futures.failed("boom")  # type: ignore[arg-type]
+        asyncrpc.failed("boom")  # type: ignore[arg-type]
 
 
 def test_chain_feeds_values_through(make: Make) -> None:
-    out = futures.chain(make(torch.ones(2), 0.05), lambda x: x + 1, lambda x: x * 2)
+    out = asyncrpc.chain(make(torch.ones(2), 0.05), lambda x: x + 1, lambda x: x * 2)
     assert torch.equal(out.wait(), torch.full((2,), 4.0))
 
 
 def test_chain_step_may_return_a_future(make: Make) -> None:
-    out = futures.chain(make(1, 0.01), lambda x: make(x + 1, 0.01), lambda x: x * 10)
+    out = asyncrpc.chain(make(1, 0.01), lambda x: make(x + 1, 0.01), lambda x: x * 10)
     assert out.wait() == 20
 
 
@@ -82,7 +81,7 @@ def test_chain_error_in_a_callback_keeps_its_type_and_skips_the_rest(make: Make)
     def explode(x: int) -> int:
         raise ShardMissing(f"shard {x}")
 
-    out = futures.chain(make(7, 0.01), explode, ran.append)
+    out = asyncrpc.chain(make(7, 0.01), explode, ran.append)
     with pytest.raises(ShardMissing, match="shard 7"):
         out.wait()
     assert ran == []
@@ -95,27 +94,27 @@ def _skip_failing_fork(make: Make) -> None:
 
 def test_chain_input_failure_reaches_the_caller(make: Make) -> None:
     _skip_failing_fork(make)
-    out = futures.chain(make(ValueError("bad input"), 0.01), lambda x: x)
+    out = asyncrpc.chain(make(ValueError("bad input"), 0.01), lambda x: x)
     with pytest.raises(Exception, match="bad input"):
         out.wait()
 
 
 def test_chain_rejects_a_called_function() -> None:
     with pytest.raises(TypeError, match=r"got a int where a callable.*chain\(fut, f\)"):
-        futures.chain(futures.completed(1), 5)  # type: ignore[arg-type]
+        asyncrpc.chain(asyncrpc.completed(1), 5)  # type: ignore[arg-type]
 
 
 def test_gather_keeps_the_order(make: Make) -> None:
-    out = futures.gather([make(i, 0.05 * (3 - i)) for i in range(4)])
+    out = asyncrpc.gather([make(i, 0.05 * (3 - i)) for i in range(4)])
     assert out.wait() == [0, 1, 2, 3]
-    assert futures.gather([]).wait() == []
+    assert asyncrpc.gather([]).wait() == []
 
 
 def test_gather_fails_fast(make: Make) -> None:
     _skip_failing_fork(make)
     slow = make(1, 3.0)
     start = time.monotonic()
-    out = futures.gather([slow, make(ShardMissing("lost"), 0.05)])
+    out = asyncrpc.gather([slow, make(ShardMissing("lost"), 0.05)])
     with pytest.raises(Exception, match="lost"):
         out.wait()
     assert time.monotonic() - start < 2.5
@@ -129,17 +128,17 @@ def _is_async(fut: Future[Any]) -> bool:
 
 def test_gather_rejects_non_futures() -> None:
     with pytest.raises(TypeError, match=r"item 1 is a Tensor, not a Future.*completed\(value\)"):
-        futures.gather([futures.completed(1), torch.ones(1)])  # type: ignore[list-item]
+        asyncrpc.gather([asyncrpc.completed(1), torch.ones(1)])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="got one Future"):
-        futures.gather(futures.completed(1))  # type: ignore[arg-type]
+        asyncrpc.gather(asyncrpc.completed(1))  # type: ignore[arg-type]
 
 
 def test_wait_first_gives_the_first_done(make: Make) -> None:
     slow, fast = make("slow", 1.0), make("fast", 0.0)
-    first = futures.wait_first([slow, fast]).wait()
+    first = asyncrpc.wait_first([slow, fast]).wait()
     assert first.wait() in (("fast",) if _is_async(slow) else ("slow", "fast"))
     with pytest.raises(ValueError, match="at least one"):
-        futures.wait_first([])
+        asyncrpc.wait_first([])
     slow.wait()
 
 
@@ -148,13 +147,13 @@ def test_as_completed_in_completion_order(world: asyncrpc.Context) -> None:
         asyncrpc.rpc_async(n, delayed, args=(n, d))
         for n, d in (("worker1", 0.6), ("worker2", 0.0))
     ]
-    assert [f.wait() for f in futures.as_completed(futs, timeout=10)] == ["worker2", "worker1"]
+    assert [f.wait() for f in asyncrpc.as_completed(futs, timeout=10)] == ["worker2", "worker1"]
 
 
 def test_as_completed_times_out(world: asyncrpc.Context) -> None:
     fut = asyncrpc.rpc_async("worker2", delayed, args=(1, 1.0))
     with pytest.raises(TimeoutError, match=r"1 of 1 Futures still pending after 0\.1 s"):
-        list(futures.as_completed([fut], timeout=0.1))
+        list(asyncrpc.as_completed([fut], timeout=0.1))
     fut.wait()
 
 
@@ -162,7 +161,7 @@ def test_with_timeout_fires_without_a_thread_per_future(world: asyncrpc.Context)
     before = threading.active_count()
     start = time.monotonic()
     slow = [asyncrpc.rpc_async("worker1", delayed, args=(i, 1.5)) for i in range(20)]
-    guarded = [futures.with_timeout(f, 0.2) for f in slow]
+    guarded = [asyncrpc.with_timeout(f, 0.2) for f in slow]
     for fut in guarded:
         with pytest.raises(TimeoutError, match=r"did not complete within 0\.2 s"):
             fut.wait()
@@ -172,9 +171,9 @@ def test_with_timeout_fires_without_a_thread_per_future(world: asyncrpc.Context)
 
 
 def test_with_timeout_passes_the_outcome_through(make: Make) -> None:
-    assert futures.with_timeout(make(5, 0.01), 10).wait() == 5
+    assert asyncrpc.with_timeout(make(5, 0.01), 10).wait() == 5
     with pytest.raises(ShardMissing):
-        futures.with_timeout(futures.failed(ShardMissing("x")), 10).wait()
+        asyncrpc.with_timeout(asyncrpc.failed(ShardMissing("x")), 10).wait()
 
 
 @pytest.mark.parametrize(
@@ -182,26 +181,21 @@ def test_with_timeout_passes_the_outcome_through(make: Make) -> None:
 )
 def test_with_timeout_rejects_bad_delays(seconds: object, error: type) -> None:
     with pytest.raises(error, match="timeout must be"):
-        futures.with_timeout(futures.completed(1), seconds)  # type: ignore[arg-type]
+        asyncrpc.with_timeout(asyncrpc.completed(1), seconds)  # type: ignore[arg-type]
 
 
 def test_timeout_zero_has_one_meaning_no_timeout(world: asyncrpc.Context) -> None:
     # As in torch, a call's timeout=0 means no timeout; helpers that only time out refuse it.
     assert asyncrpc.rpc_sync("worker1", sleepy, args=(0.2,), timeout=0) == 0.2
     with pytest.raises(ValueError, match=r"timeout=0 would mean no timeout.*seconds > 0"):
-        futures.with_timeout(futures.completed(1), 0)
+        asyncrpc.with_timeout(asyncrpc.completed(1), 0)
     with pytest.raises(ValueError, match=r"timeout=0 would mean no timeout"):
-        list(futures.as_completed([futures.completed(1)], timeout=0))
+        list(asyncrpc.as_completed([asyncrpc.completed(1)], timeout=0))
 
 
 def sleepy(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
-
-
-def test_top_level_names_are_the_same_functions() -> None:
-    for name in futures.__all__:
-        assert getattr(asyncrpc, name) is getattr(futures, name)
 
 
 def test_futures_tour_example_prints_its_results() -> None:

@@ -1,6 +1,6 @@
 """The package's layers: each module imports only from the layers below it (no import cycle).
 
-    __init__ (the facade)  ->  futures  ->  _ensemble
+    __init__ (the facade)  ->  _ensemble
       ->  _handles, _batch, _fanout/, _trace/, _launch/  (features, apart from each other)
       ->  _core/  (the RPC core; its own modules in the order below)
 
@@ -21,7 +21,6 @@ LAYERS: list[list[str]] = [
     ["_core"],
     ["_handles", "_batch", "_fanout", "_trace", "_launch", "_inspect"],
     ["_ensemble"],
-    ["futures"],
     ["__init__"],
 ]
 INSIDE: dict[str, list[str]] = {
