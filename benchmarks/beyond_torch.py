@@ -212,13 +212,15 @@ def measure(
     rounds: int, n: int, ray: dict[str, Callable[..., Any]] | None
 ) -> dict[str, dict[str, Any]]:
     """Figures per row (`figures`), asyncrpc and Ray alternated round by round."""
-    ours = {
+    ours: dict[str, Callable[..., Any]] = {
         "cancel": asyncrpc_cancel,
         "stream": asyncrpc_stream,
         "single_calls": asyncrpc_single_calls,
         "backpressure": asyncrpc_backpressure,
     }
-    ways = {"asyncrpc": ours, **({"ray": ray} if ray else {})}
+    ways: dict[str, dict[str, Callable[..., Any]]] = {"asyncrpc": ours}
+    if ray:
+        ways["ray"] = ray
     samples: dict[str, dict[str, list[float]]] = {w: {} for w in ways}
     small, big = 16, 256 * 1024  # floats: 64 B, 1 MiB
     few = max(1, n // 10)  # 1 MiB items and single calls: fewer per sample

@@ -36,6 +36,7 @@ from bilstm_ensemble import BiLSTM, seeded_members
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import stacked_mlp
+
 import timing
 
 SIZES = {"reference": (50, 50, 1024), "small": (50, 8, 256)}

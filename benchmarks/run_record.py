@@ -42,16 +42,25 @@ def environment() -> dict[str, Any]:
 
 def machine() -> dict[str, Any]:
     """This machine's CPU count, CPU model and memory (GiB)."""
-    model = None
+    kib = _proc_field("/proc/meminfo", "MemTotal")
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": _proc_field("/proc/cpuinfo", "model name"),
+        "memory_gib": None if kib is None else round(int(kib.split()[0]) / 2**20, 1),
+    }
+
+
+def _proc_field(path: str, name: str) -> str | None:
+    """The value of the first `name: value` line of a /proc file (None: no such line)."""
     try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-        with open("/proc/meminfo") as f:
-            kib = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:"))
-        memory: float | None = round(kib / 2**20, 1)
-    except (OSError, StopIteration):
-        memory = None
-    return {"cpus": os.cpu_count(), "cpu_model": model, "memory_gib": memory}
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
 
 
 def command() -> str:

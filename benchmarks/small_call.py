@@ -22,7 +22,10 @@ For every call, the scheduler's view of both workers, read from /proc
 (schedstat and status of every thread): CPU used per call, time spent
 runnable but waiting for a core, and context switches per call, by thread.
 
-    python benchmarks/small_call.py [--calls 500] [--rounds 5]
+    python benchmarks/small_call.py [--calls 500] [--rounds 5] [--json PATH]
+
+--json PATH also writes every figure printed, with the run's date, machine,
+versions and command line (benchmarks/run_record.py).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from torch.distributed.rpc import api as rpc_api
 from torch.distributed.rpc.internal import PythonUDF
 
 import asyncrpc
+
+import run_record
 
 _MESSAGE = b"x" * 40
 CALLS = ("2. torch rpc_sync, builtin torch.add", "3. torch rpc_sync, Python function",
@@ -172,8 +177,8 @@ def measure_world(ctx: asyncrpc.Context, world: str, calls: int, out: str) -> No
         file.write(json.dumps({"world": world, "ways": found}) + "\n")
 
 
-def report(rows: list[dict[str, Any]]) -> None:
-    """Print the layer table, the world table and the thread breakdown (medians)."""
+def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every figure `report` prints: layers, worlds and threads (medians over rounds)."""
     samples: dict[tuple[str, str], list[dict[str, Any]]] = collections.defaultdict(list)
     for row in rows:
         for name, found in row["ways"].items():
@@ -181,39 +186,81 @@ def report(rows: list[dict[str, Any]]) -> None:
     us = {
         key: statistics.median(s["seconds"] for s in found) * 1e6 for key, found in samples.items()
     }
+    threads = {
+        f"{world}, {name[3:]}": _threads(samples[world, name])
+        for world in list(WORLDS)[:2]
+        for name in CALLS[:2]
+        if (world, name) in samples
+    }
+    return {"layers": _layers(us), "worlds": _worlds(us), "threads": threads}
+
+
+def _layers(us: dict[tuple[str, str], float]) -> dict[str, dict[str, float]]:
+    """Each layer of the default world: us per call, what it adds, its share of step 4."""
     first = next(iter(WORLDS))
     names = [name for world, name in us if world == first]
-    head = "layer (states kept, the default)"
-    print(f"{head:<46}{'us per call':>12}{'adds (us)':>11}{'of step 4':>11}")
+    layers = {}
     for i, name in enumerate(names):
         adds = us[first, name] - us[first, names[i - 1]] if 0 < i < 4 else us[first, name]
         share = adds / us[first, names[3]]
-        print(f"{name:<46}{us[first, name]:>12.1f}{adds:>11.1f}{share:>10.1%}")
-    print(f"\n{'world':<30}{'builtin':>9}{'Python':>9}{'asyncrpc':>10}"
-          f"{'Python/builtin':>16}{'asyncrpc/builtin':>18}")  # fmt: skip
+        layers[name] = {"us": us[first, name], "adds_us": adds, "of_step_4": share}
+    return layers
+
+
+def _worlds(us: dict[tuple[str, str], float]) -> dict[str, dict[str, float]]:
+    """Each world's three calls (us) and their ratios to the builtin's."""
+    worlds = {}
     for world in WORLDS:
-        if (world, CALLS[0]) not in us:
-            continue
-        b, p, a = (us[world, name] for name in CALLS)
-        print(f"{world:<30}{b:>9.0f}{p:>9.0f}{a:>10.0f}{p / b:>15.2f}x{a / b:>17.2f}x")
-    print("\nper call, by thread (median): CPU us / runnable-waiting us / context switches")
-    for world in list(WORLDS)[:2]:
-        for name in CALLS[:2]:
-            if (world, name) in samples:
-                print(f"{world}, {name[3:]}:")
-                print(_threads_line(samples[world, name]))
+        if (world, CALLS[0]) in us:
+            b, p, a = (us[world, name] for name in CALLS)
+            worlds[world] = {
+                "builtin_us": b,
+                "python_us": p,
+                "asyncrpc_us": a,
+                "python_over_builtin": p / b,
+                "asyncrpc_over_builtin": a / b,
+            }
+    return worlds
 
 
-def _threads_line(found: list[dict[str, Any]]) -> str:
-    lines = []
+def _threads(found: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Side -> thread role -> median CPU us, runnable-waiting us, switches per call."""
+    sides = {}
     for side in ("caller", "callee"):
         roles = sorted({role for s in found for role in s["threads"][side]})
-        parts = []
+        sides[side] = {}
         for role in roles:
             values = [s["threads"][side].get(role, [0, 0, 0]) for s in found]
             cpu, wait, switches = (statistics.median(v[i] for v in values) for i in range(3))
-            if cpu > 2000 or switches > 0.05:
-                parts.append(f"{role} {cpu / 1e3:.0f}/{wait / 1e3:.0f}/{switches:.1f}")
+            sides[side][role] = {"cpu_us": cpu / 1e3, "wait_us": wait / 1e3, "switches": switches}
+    return sides
+
+
+def report(found: dict[str, Any]) -> None:
+    """Print the layer table, the world table and the thread breakdown (from `figures`)."""
+    head = "layer (states kept, the default)"
+    print(f"{head:<46}{'us per call':>12}{'adds (us)':>11}{'of step 4':>11}")
+    for name, f in found["layers"].items():
+        print(f"{name:<46}{f['us']:>12.1f}{f['adds_us']:>11.1f}{f['of_step_4']:>10.1%}")
+    print(f"\n{'world':<30}{'builtin':>9}{'Python':>9}{'asyncrpc':>10}"
+          f"{'Python/builtin':>16}{'asyncrpc/builtin':>18}")  # fmt: skip
+    for world, f in found["worlds"].items():
+        b, p, a = f["builtin_us"], f["python_us"], f["asyncrpc_us"]
+        print(f"{world:<30}{b:>9.0f}{p:>9.0f}{a:>10.0f}{p / b:>15.2f}x{a / b:>17.2f}x")
+    print("\nper call, by thread (median): CPU us / runnable-waiting us / context switches")
+    for name, sides in found["threads"].items():
+        print(f"{name}:")
+        print(_threads_line(sides))
+
+
+def _threads_line(sides: dict[str, dict[str, dict[str, float]]]) -> str:
+    lines = []
+    for side, roles in sides.items():
+        parts = [
+            f"{role} {t['cpu_us']:.0f}/{t['wait_us']:.0f}/{t['switches']:.1f}"
+            for role, t in roles.items()
+            if t["cpu_us"] > 2 or t["switches"] > 0.05
+        ]
         lines.append(f"  {side}: " + ", ".join(parts))
     return "\n".join(lines)
 
@@ -222,6 +269,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH", help="also write this run's figures here")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.jsonl")
@@ -229,7 +277,11 @@ def main() -> None:
             for world, (options, _) in WORLDS.items():
                 asyncrpc.run(measure_world, world_size=2, args=(world, opts.calls, out), **options)
         rows = [json.loads(line) for line in Path(out).read_text().splitlines()]
-    report(rows)
+    found = figures(rows)
+    report(found)
+    if opts.json:
+        options = {"calls": opts.calls, "rounds": opts.rounds}
+        run_record.write(opts.json, {"benchmark": "small_call", "options": options, **found})
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ members' layout) and the engine's own (the rest). Stock `torch.func.vmap`
 over `stack_module_state` is timed beside them. All ways alternate round
 by round in one run; medians.
 
-    python benchmarks/stacked_mlp.py [--rounds 5] [--batches 1 8 64]
+    python benchmarks/stacked_mlp.py [--rounds 5] [--batches 1 8 64] [--json PATH]
+
+--json PATH also writes every figure printed, with the run's date, machine,
+versions and command line (benchmarks/run_record.py), for benchmarks/charts.py.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable
+from typing import Any
 
-import timing
 import torch
 
 import asyncrpc
+
+import run_record
+import timing
 
 MEMBERS, WIDTH, LAYERS = 16, 512, 3
 
@@ -93,8 +99,8 @@ def stock_vmap(members: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch
     return lambda x: batched(params, buffers, x)
 
 
-def measure(batch: int, rounds: int, sample: float) -> tuple[dict[str, float], str]:
-    """Median seconds per call of each way at this batch; auto's choice."""
+def measure(batch: int, rounds: int, sample: float) -> tuple[dict[str, float], dict[str, Any]]:
+    """Median seconds per call of each way at this batch; what auto chose, by-round ratios."""
     members = make_members()
     x = torch.rand(batch, WIDTH)
     auto = asyncrpc.Fanout(members)
@@ -123,51 +129,66 @@ def measure(batch: int, rounds: int, sample: float) -> tuple[dict[str, float], s
                 times[name].append(timing.mean_seconds(way, repeat))
     # Each round's engine/floor pair ran back to back: the median of those ratios
     # is steadier than the ratio of medians when the machine's speed drifts.
-    pairs = statistics.median(
-        e / f for e, f in zip(times["vmap engine"], times["floor (baddbmm chain)"], strict=True)
-    )
-    own = statistics.median(
-        e / f for e, f in zip(times["vmap engine"], times["floor, members' layout"], strict=True)
-    )
-    note = (
-        f"auto chose {auto.plan} after {trial} timed calls; engine/floor by round {pairs:.2f}x, "
-        f"engine/floor in the members' layout {own:.2f}x"
-    )
-    return {n: statistics.median(t) for n, t in times.items()}, note
+    info = {
+        "auto_plan": str(auto.plan),
+        "auto_trials": trial,
+        "engine_over_floor_by_round": _by_round(times, "floor (baddbmm chain)"),
+        "engine_over_floor_members_layout_by_round": _by_round(times, "floor, members' layout"),
+    }
+    return {n: statistics.median(t) for n, t in times.items()}, info
+
+
+def _by_round(times: dict[str, list[float]], floor_way: str) -> float:
+    """The median over rounds of the vmap engine's time over `floor_way`'s."""
+    pairs = zip(times["vmap engine"], times[floor_way], strict=True)
+    return statistics.median(e / f for e, f in pairs)
 
 
 def _call(fan: asyncrpc.Fanout, x: torch.Tensor) -> Callable[[], object]:
     return lambda: fan(x)
 
 
-def print_rows(results: dict[int, dict[str, float]], notes: dict[int, str]) -> None:
+def figures(ways: dict[str, float], info: dict[str, Any]) -> dict[str, Any]:
+    """One batch's printed figures: us, vs serial and vs floor per way; auto's and the engine's."""
+    bottom = ways["floor (baddbmm chain)"]
+    best = min((s, w) for w, s in ways.items() if not w.startswith("floor"))
+    return {
+        "ways": {
+            way: {"us": s * 1e6, "vs_serial": ways["serial"] / s, "vs_floor": s / bottom}
+            for way, s in ways.items()
+        },
+        **info,
+        "best_way": best[1],
+        "auto_over_best": ways["auto"] / best[0],
+        "engine_over_floor": ways["vmap engine"] / bottom,
+    }
+
+
+def print_rows(results: dict[int, dict[str, Any]]) -> None:
     print(
         f"\nMLP ensemble: {MEMBERS} members x {LAYERS} Linear({WIDTH}, {WIDTH}) + ReLU, "
         f"{torch.get_num_threads()} intra-op threads"
     )
     print("| batch | way | us per call | vs serial | vs floor |\n| --- | --- | --- | --- | --- |")
-    for batch, ways in results.items():
-        bottom = ways["floor (baddbmm chain)"]
-        for way, seconds in ways.items():
-            print(
-                f"| {batch} | {way} | {seconds * 1e6:.0f} | {ways['serial'] / seconds:.2f}x "
-                f"| {seconds / bottom:.2f}x |"
-            )
-    for batch, note in notes.items():
-        ways = results[batch]
-        best = min((s, w) for w, s in ways.items() if not w.startswith("floor"))
-        engine = ways["vmap engine"] / ways["floor (baddbmm chain)"]
+    for batch, found in results.items():
+        for way, f in found["ways"].items():
+            cells = f"{f['us']:.0f} | {f['vs_serial']:.2f}x | {f['vs_floor']:.2f}x"
+            print(f"| {batch} | {way} | {cells} |")
+    for batch, f in results.items():
         print(
-            f"batch {batch}: {note}; auto {ways['auto'] / best[0]:.2f}x the best way "
-            f"({best[1]}); vmap engine {engine:.2f}x the floor (ratio of medians)"
+            f"batch {batch}: auto chose {f['auto_plan']} after {f['auto_trials']} timed calls; "
+            f"engine/floor by round {f['engine_over_floor_by_round']:.2f}x, engine/floor in the "
+            f"members' layout {f['engine_over_floor_members_layout_by_round']:.2f}x; "
+            f"auto {f['auto_over_best']:.2f}x the best way ({f['best_way']}); "
+            f"vmap engine {f['engine_over_floor']:.2f}x the floor (ratio of medians)"
         )
 
 
-def run(batches: list[int], rounds: int, sample: float) -> None:
-    results, notes = {}, {}
-    for batch in batches:
-        results[batch], notes[batch] = measure(batch, rounds, sample)
-    print_rows(results, notes)
+def run(batches: list[int], rounds: int, sample: float) -> dict[int, dict[str, Any]]:
+    """Measure every batch, print the table; the figures per batch."""
+    results = {batch: figures(*measure(batch, rounds, sample)) for batch in batches}
+    print_rows(results)
+    return results
 
 
 def main() -> None:
@@ -175,8 +196,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--sample-seconds", type=float, default=0.3)
+    parser.add_argument("--json", metavar="PATH", help="also write this run's figures here")
     opts = parser.parse_args()
-    run(opts.batches, opts.rounds, opts.sample_seconds)
+    results = run(opts.batches, opts.rounds, opts.sample_seconds)
+    if opts.json:
+        run_record.write(opts.json, {
+            "benchmark": "stacked_mlp",
+            "options": {k: v for k, v in vars(opts).items() if k != "json"},
+            "members": MEMBERS, "width": WIDTH, "layers": LAYERS,
+            "intra_op_threads": torch.get_num_threads(),
+            "batches": {str(b): f for b, f in results.items()},
+        })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,14 +2,19 @@
 
 The figures themselves are not checked here (timings on shared machines swing):
 the benchmarks print ratios measured side by side, and the README quotes them.
+Those that take `--json PATH` write it in the same small run, and
+benchmarks/charts.py draws its chart from that file.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,6 +68,20 @@ CASES = {
             "4 RPC threads",
         ],
     ),
+    "stacked_mlp": (
+        ["--rounds", "1", "--batches", "1", "--sample-seconds", "0.02"],
+        ["| 1 | vmap engine |", "| 1 | floor (baddbmm chain) |", "batch 1: auto chose"],
+    ),
+    "scale": (
+        ["--sizes", "2", "3", "--rounds", "1", "--no-ray"],
+        [
+            "start-up to every answer, 2 workers",
+            "start-up to every answer, 3 workers",
+            "memory (PSS, summed), 2 workers",
+            "memory (PSS, summed), 3 workers",
+            "memory (RSS, summed), 3 workers",
+        ],
+    ),
     "peers": (
         "--calls 3 --rounds 1 --startups 1 --no-ray --beyond-rounds 2 --stream-items 200".split(),
         [
@@ -81,6 +100,7 @@ CASES = {
 # Rows without a peer when Ray is left out: they must print asyncrpc's figure.
 FIGURES = {
     "ensemble": ["small: engine 'vmap' declined: member 0 holds an LSTM"],
+    "scale": ["processes, 2 workers", "processes, 3 workers"],
     "peers": [
         "restart after a kill, to first call",
         "cancel: to the callee's coroutine",
@@ -93,11 +113,45 @@ FIGURES = {
 }
 
 
+# Benchmarks that take --json: figures (key paths) that must be numbers in the file.
+JSON_FIGURES = {
+    "peers": [
+        ("calls", "small call round trip", "seconds", "asyncrpc"),
+        ("calls", "1000 calls in flight", "calls_per_s", "torch"),
+        ("calls", "1000 calls in flight, in one Batch", "vs_torch"),
+        ("startup", "world start-up to first call", "seconds", "torch"),
+        ("startup", "restart after a kill, to first call", "seconds", "asyncrpc"),
+        ("beyond", "stream of 1 MiB items", "asyncrpc"),
+    ],
+    "scale": [
+        ("results", "asyncrpc", "2", "startup_s"),
+        ("results", "torch", "3", "pss_mib"),
+        ("results", "torch", "3", "rss_mib"),
+        ("results", "asyncrpc", "3", "processes"),
+        ("ratios", "3", "startup_s", "vs_torch"),
+    ],
+    "stacked_mlp": [
+        ("batches", "1", "ways", "vmap engine", "us"),
+        ("batches", "1", "ways", "floor, members' layout", "vs_floor"),
+        ("batches", "1", "engine_over_floor_by_round"),
+        ("batches", "1", "auto_over_best"),
+    ],
+    "small_call": [
+        ("layers", "1. TCP ping-pong, 40 B (floor)", "us"),
+        ("layers", "4. asyncrpc.rpc_sync, Python function", "of_step_4"),
+        ("worlds", "4 RPC threads", "asyncrpc_over_builtin"),
+    ],
+}
+CHARTS = {"peers": "peers.png", "scale": "scale.png", "stacked_mlp": "vmap.png"}
+
+
 @pytest.mark.subprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_benchmark_runs_small_and_prints_its_ratios(name: str) -> None:
+def test_benchmark_runs_small_and_prints_its_ratios(name: str, tmp_path: Path) -> None:
     args, rows = CASES[name]
+    if name in JSON_FIGURES:
+        args = [*args, "--json", str(tmp_path / f"{name}.json")]
     result = run_program("python", str(ROOT / "benchmarks" / f"{name}.py"), *args, timeout=140)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     for row in rows:
@@ -108,6 +162,57 @@ def test_benchmark_runs_small_and_prints_its_ratios(name: str) -> None:
         line = next((ln for ln in result.stdout.splitlines() if row in ln), None)
         assert line is not None, f"no {row!r} row in:\n{result.stdout}"
         assert re.search(r"\d", line.replace(row, "")), f"no figure in {line!r}"
+    if name in JSON_FIGURES:
+        _check_json(name, json.loads((tmp_path / f"{name}.json").read_text()))
+    if name in CHARTS:
+        _check_chart(CHARTS[name], tmp_path)
+
+
+def _check_json(name: str, found: dict[str, Any]) -> None:
+    """The run's date, machine, versions and command line, and its figures, as numbers."""
+    datetime.datetime.fromisoformat(found["date"])
+    assert set(found["machine"]) == {"cpus", "cpu_model", "memory_gib"}, found["machine"]
+    assert found["machine"]["cpus"] >= 1 and found["machine"]["memory_gib"] > 0
+    assert found["torch"] and found["python"] and "ray" in found
+    assert f"{name}.py" in found["command"] and "--json" in found["command"], found["command"]
+    for path in JSON_FIGURES[name]:
+        value: Any = found
+        for key in path:
+            assert key in value, f"no {key!r} of {path} in {name}.json: {list(value)}"
+            value = value[key]
+        assert isinstance(value, int | float), f"{path}: {value!r}"
+    if name == "peers":  # every row printed is in the file
+        labels = {*found["calls"], *found["startup"], *(r.strip() for r in found["beyond"])}
+        assert set(CASES[name][1]) | set(FIGURES[name]) <= labels, labels
+
+
+def _check_chart(chart: str, results: Path) -> None:
+    """charts.py draws this benchmark's chart from its small JSON; the others it skips."""
+    out = results / "charts"
+    script = ROOT / "benchmarks" / "charts.py"
+    done = run_program(
+        "python", str(script), "--results", str(results), "--out", str(out), timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for other in set(CHARTS.values()) - {chart}:
+        assert f"{other} skipped: no " in done.stdout, done.stdout
+        assert not (out / other).exists()
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(60)
+def test_scale_reports_a_world_that_does_not_fit_and_goes_on() -> None:
+    script = ROOT / "benchmarks" / "scale.py"
+    args = ["--sizes", "2", "3", "--rounds", "2", "--no-ray", "--timeout", "0.5"]
+    result = run_program("python", str(script), *args, timeout=50)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for system in ("asyncrpc", "torch"):
+        why = f"{system} at 2 workers did not fit: no answer from every worker within 0.5 s"
+        assert why in result.stdout, result.stdout
+        assert f"{system} at 3 workers" not in result.stdout, result.stdout  # not tried
+    line = next(ln for ln in result.stdout.splitlines() if "start-up to every answer, 3" in ln)
+    assert line.split()[-5:-3] == ["n/f", "n/f"], line
 
 
 @pytest.mark.subprocess
