@@ -8,6 +8,7 @@ the items in order, end as its generator ended, and leave no generator open.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 
 _closed: dict[str, int] = {}  # on the producer: tag -> how often its finally ran
 _lock = threading.Lock()
+_tags = itertools.count()  # on the caller: one tag per stream in this session
 
 
 def closed(tag: str) -> int:
@@ -136,7 +138,6 @@ class StreamRace(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.streams: list[dict[str, Any]] = []
-        self.count = 0
 
     @rule(
         n=st.integers(0, 40),
@@ -145,8 +146,7 @@ class StreamRace(RuleBasedStateMachine):
         at=st.integers(0, 40),
     )
     def open(self, n: int, window: int, trouble: str, at: int) -> None:
-        self.count += 1
-        tag = f"race-{id(self)}-{self.count}"
+        tag = f"race-{next(_tags)}"  # unique across examples: id(self) is reused
         bad, fail = (at if trouble == "bad" else -1), (at if trouble == "fail" else -1)
         s = asyncrpc.stream("worker2", numbers, args=(tag, n, bad, fail), window=window)
         self.streams.append(
