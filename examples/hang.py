@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 
 import asyncrpc
 
@@ -33,7 +34,13 @@ def g() -> str:
     return asyncrpc.rpc_async("worker0", h).wait()
 
 
+# Both f() calls hold a thread of worker0 before either goes on: otherwise, on a
+# busy machine, the first could reach h() while worker0 still had a free thread.
+_both_f = threading.Barrier(2)
+
+
 def f() -> str:
+    _both_f.wait()
     return asyncrpc.rpc_async("worker1", g).wait()
 
 

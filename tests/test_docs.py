@@ -84,3 +84,21 @@ def test_the_site_builds_strictly_with_every_public_name_in_its_reference(
     assert not missing, f"not in the reference: {missing}"
     for page in ("hangs", "cancelling", "benchmarks", "changelog", "design"):
         assert (site / page / "index.html").exists(), page
+
+
+def test_every_asyncrpc_name_the_pages_mention_exists() -> None:
+    import importlib
+
+    import asyncrpc
+
+    missing = []
+    for page in PAGES:
+        for found in re.finditer(r"(?<![\w/.])asyncrpc\.([A-Za-z_]\w*)", page.read_text()):
+            name = found.group(1)
+            if name in asyncrpc.__all__:
+                continue
+            try:
+                importlib.import_module(f"asyncrpc.{name}")  # a module the pages name
+            except ImportError:
+                missing.append(f"{page.relative_to(ROOT)}: asyncrpc.{name}")
+    assert not missing, missing

@@ -150,17 +150,16 @@ def test_a_busy_worker_shows_in_top_and_its_stack_in_the_dump(tmp_path: pathlib.
     try:
         _registered(tmp_path, 2)
         assert world.stdout is not None and world.stdout.readline().startswith("BUSY")
-        started = time.monotonic()
-        top = _command("asyncrpc-top", tmp_path, "--once")
-        took = time.monotonic() - started
+        top = _command("asyncrpc-top", tmp_path, "--once")  # its time: benchmarks/inspect_costs.py
         dump = json.loads(_command("asyncrpc-dump", tmp_path, "--json").stdout)
     finally:
         _stop(world)
-    assert top.returncode == 0 and took < 2.0, (top.stderr, took)
+    assert top.returncode == 0, top.stderr
     header = top.stdout.splitlines()[1]
-    for title in ("worker", "host", "pid", "RSS MB", "CPU %", "busy/threads", "running",
-                  "in flight", "streams", "failures", "p50 ms", "p99 ms"):  # fmt: skip
+    for title in ("worker", "host", "pid", "RSS MB", "CPU %", "busy", "run", "out", "strm",
+                  "fail", "p50 ms", "p99 ms"):  # fmt: skip
         assert title in header, header
+    assert "busy: busy/total RPC threads" in top.stdout and "strm: open streams" in top.stdout
     worker1 = next(line for line in top.stdout.splitlines() if line.startswith("worker1 "))
     assert " 1/16 " in worker1, top.stdout
     crunch = dump["workers"][1]["threads"][0]
@@ -177,7 +176,7 @@ def test_the_live_top_draws_a_table_a_terminal_shows(tmp_path: pathlib.Path) -> 
     try:
         _registered(tmp_path, 2)
         primary, secondary = pty.openpty()
-        env = {**_env(tmp_path), "TERM": "xterm-256color", "COLUMNS": "160", "LINES": "40"}
+        env = {**_env(tmp_path), "TERM": "xterm-256color", "COLUMNS": "80", "LINES": "40"}
         top = subprocess.Popen(
             [bin_path("asyncrpc-top"), "--interval", "0.5"], cwd=ROOT, env=env,
             stdin=secondary, stdout=secondary, stderr=secondary,
@@ -196,8 +195,10 @@ def test_the_live_top_draws_a_table_a_terminal_shows(tmp_path: pathlib.Path) -> 
         _stop(world)
     text = screen.decode(errors="replace")
     assert text.count("asyncrpc world") >= 2, text[-2000:]
-    assert "worker0" in text and "worker1" in text and "busy/threads" in text
-    assert "\x1b[" in text and "━" in text  # drawn by rich, in place, as a terminal shows it
+    # Every column whole in an 80-column terminal: names, and the last title.
+    assert "worker0" in text and "worker1" in text and "p99 ms" in text, text[-2000:]
+    assert "busy: busy/total RPC threads" in text
+    assert "\x1b[" in text and "─" in text  # drawn by rich, in place, as a terminal shows it
     assert top.returncode == 0
 
 
@@ -207,11 +208,14 @@ def test_the_commands_say_when_no_world_or_several_are_running(tmp_path: pathlib
         assert done.returncode == 1 and "no asyncrpc world is running" in done.stderr
     stale = {"address": "127.0.0.1:1", "prefix": "x", "rank": 0, "name": "w", "names": ["w"],
              "pid": 2**22 + 12345, "host": "h", "started": 0}  # fmt: skip
+    # A live pid that another process now has (pids are reused): stale as well.
+    reused = {**stale, "pid": os.getpid(), "process_started": 1}
     (tmp_path / "asyncrpc").mkdir(exist_ok=True)
     (tmp_path / "asyncrpc" / "127.0.0.1_1_0_1.json").write_text(json.dumps(stale))
+    (tmp_path / "asyncrpc" / "127.0.0.1_1_0_2.json").write_text(json.dumps(reused))
     done = _command("asyncrpc-dump", tmp_path)
     assert done.returncode == 1 and "no asyncrpc world is running" in done.stderr  # stale
-    assert not (tmp_path / "asyncrpc" / "127.0.0.1_1_0_1.json").exists()  # and removed
+    assert not list((tmp_path / "asyncrpc").glob("*.json"))  # and removed
     worlds = [_start([sys.executable, BUSY, "20"], tmp_path) for _ in range(2)]
     try:
         _registered_count(tmp_path, 2)
@@ -225,6 +229,44 @@ def test_the_commands_say_when_no_world_or_several_are_running(tmp_path: pathlib
         for world in worlds:
             _stop(world)
     assert picked.returncode == 0 and json.loads(picked.stdout)["world"] == address
+
+
+def test_a_worker_that_does_not_answer_is_listed_with_its_pid_and_every_key(
+    tmp_path: pathlib.Path,
+) -> None:
+    from torch.distributed import TCPStore
+
+    # A world's store whose one worker never answers (no watcher reads its requests).
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    entry = {"address": f"127.0.0.1:{store.port}", "prefix": "asyncrpc/side/", "rank": 0,
+             "name": "worker0", "names": ["worker0"], "pid": os.getpid(), "host": "here",
+             "started": time.time(),
+             "process_started": _registry._started(os.getpid())}  # fmt: skip
+    (tmp_path / "asyncrpc").mkdir()
+    (tmp_path / "asyncrpc" / f"127.0.0.1_{store.port}_0_{os.getpid()}.json").write_text(
+        json.dumps(entry)
+    )
+    asks = (("asyncrpc-dump", ["--json"]), ("asyncrpc-top", ["--once", "--json"]))
+    commands = [
+        subprocess.Popen(
+            [bin_path(name), *args],
+            cwd=ROOT,
+            env=_env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in asks
+    ]
+    (dump, dump_err), (top, top_err) = (c.communicate(timeout=60) for c in commands)
+    assert commands[0].returncode == 0 and commands[1].returncode == 0, dump_err + top_err
+    silent = json.loads(dump)["workers"][0]
+    assert silent["pid"] == os.getpid() and silent["error"].startswith("no answer within")
+    assert silent["threads"] == [] and silent["in_flight"] == []
+    row = json.loads(top)["workers"][0]
+    keys = {"name", "host", "pid", "rss_mb", "cpu_percent", "busy_threads", "total_threads",
+            "running", "in_flight", "streams", "failures"}  # fmt: skip
+    assert keys <= set(row) and row["pid"] == os.getpid() and row["rss_mb"] is None
 
 
 def _registered_count(runtime: pathlib.Path, count: int) -> None:
@@ -265,15 +307,25 @@ def test_the_commands_work_in_every_kind_of_world(how: str, tmp_path: pathlib.Pa
     assert next(w["in_flight"] for w in json.loads(top.stdout)["workers"]) >= 1
 
 
-def test_a_call_that_ends_before_the_bound_logs_nothing() -> None:
+def test_every_verb_reports_a_slow_call_once_and_a_quick_one_never() -> None:
     from conftest import run_program
 
     done = run_program("python", str(PROGRAMS / "hang_report.py"), timeout=90)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [line for line in done.stderr.splitlines() if "still pending after" in line]
-    assert len(reports) == 1, done.stderr[-3000:]  # the slow call; the quick one logs nothing
-    assert "call to slow() on worker1 still pending after 1 s" in reports[0]
-    assert "hang_report.py:" in reports[0] and "in slow" in reports[0]
+    where = {
+        "slow_sync()": "in slow_sync",  # rpc_sync
+        "slow_async()": "in slow_async",  # rpc_async
+        "slow_remote()": "in slow_remote",  # remote
+        "Slow.method()": "in method",  # a handle's call
+        "slow_items()": "in slow_items",  # a stream
+    }
+    assert len(reports) == len(where), done.stderr[-3000:]  # quick calls log nothing
+    for call, frame in where.items():
+        line = next((r for r in reports if f"call to {call} on worker1" in r), None)
+        assert line is not None, (call, reports)
+        assert "still pending after 1 s: worker1 runs it at" in line, line
+        assert "hang_report.py:" in line and line.endswith(frame), line
 
 
 def test_hang_reports_in_a_world_torch_started_come_from_the_environment(

@@ -246,7 +246,7 @@ def test_rref_to_here_names_the_owner_on_torchs_failures(world: asyncrpc.Context
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("mode", ["init", "torch"])
+@pytest.mark.parametrize("mode", ["init", "torch", "torch-shutdown"])
 def test_import_changes_nothing_and_the_last_shutdown_puts_torch_back(
     mode: str, tmp_path: pathlib.Path
 ) -> None:
@@ -264,6 +264,7 @@ def test_import_changes_nothing_and_the_last_shutdown_puts_torch_back(
         "after import: unchanged",
         "during the world: patched",
         "after shutdown: unchanged",
+        "after shutdown: its registration removed",
         "after shutdown: no thread of asyncrpc (during: ['asyncrpc-cancels'",
         "after shutdown: atexit slots and signal handlers as before",
         "torch's elastic agent: unpatched",

@@ -53,11 +53,24 @@ def test_context_roles() -> None:
         ({"rpc_timeout": float("nan")}, "rpc_timeout must be a finite"),
         ({"intra_op_threads": -1}, "intra_op_threads must be a positive int"),
         ({"heartbeat_timeout": 0}, r"heartbeat_timeout must be a finite number of seconds > 0"),
+        ({"hang_report_after": True}, r"hang_report_after must be .* got True"),
+        ({"hang_report_after": -1}, r"hang_report_after must be .* got -1"),
     ],
 )
 def test_bad_settings(options: dict[str, object], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         asyncrpc.Settings(**options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("raw", ["-5", "nan", "0", "soon"])
+def test_a_bad_hang_report_environment_variable_is_refused(
+    raw: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncrpc._core import _world
+
+    monkeypatch.setenv("ASYNCRPC_HANG_REPORT_AFTER", raw)
+    with pytest.raises(ValueError, match=f"ASYNCRPC_HANG_REPORT_AFTER='{raw}' is not a number"):
+        _world._hang_after_from_env()
 
 
 def test_unknown_option_lists_the_known_ones() -> None:

@@ -263,6 +263,8 @@ def send(call: Call, cancellable: bool = True) -> Future[Any]:
     else:
         _torch.set_unwrap(fut, check_reply)
         _torch.tag_future(fut, call.sent)
+        if call.hang_after:
+            _watch_torch_future(fut, call)
     if replied is not None:
         fut.add_done_callback(replied)
     if unwaited_logging():
@@ -280,7 +282,14 @@ def send_remote(call: Call) -> rpc.RRef[Any]:
         raise_unsendable(exc, call.worker, call.label)
     if replied is not None:
         _torch.rref_future(rref).add_done_callback(replied)
+    if call.hang_after:
+        _watch_torch_future(_torch.rref_future(rref), call)
     return rref  # type: ignore[no-any-return]
+
+
+def _watch_torch_future(fut: Future[Any], call: Call) -> None:
+    names = _world.current_context().names
+    _hang.watch_future(fut, call.worker, call.label, call.sent.key, call.hang_after or 0, names)
 
 
 def call_sync(call: Call) -> Any:

@@ -133,10 +133,12 @@ class Running:
 
     Also what `asyncrpc-dump` shows of it: what runs (`call`: the function and
     its arguments, named when read), since when, on which thread (None while
-    an async call waits at an `await`), and its coroutine if it has one.
+    an async call waits at an `await`), and its coroutine if it has one, or
+    the thread that does its work without holding an RPC thread (`worker`:
+    a stream's generator runs on a thread of its own).
     """
 
-    __slots__ = ("call", "cancelled", "coro", "key", "on_cancel", "started", "thread")
+    __slots__ = ("call", "cancelled", "coro", "key", "on_cancel", "started", "thread", "worker")
 
     def __init__(self, key: int, call: tuple[Any, ...] = ()) -> None:
         self.key = key
@@ -146,6 +148,7 @@ class Running:
         self.started = time.monotonic()
         self.thread: int | None = threading.get_ident()
         self.coro: Any = None
+        self.worker: int | None = None
 
 
 _lock = threading.Lock()
@@ -297,12 +300,18 @@ _watcher = _Watcher()
 Answer = Callable[[str], str]  # a request's kind -> the answer (JSON text)
 
 
-def watch(prefix: str = SIDE_PREFIX, answer: Answer | None = None) -> None:
+def watch(
+    prefix: str = SIDE_PREFIX,
+    answer: Answer | None = None,
+    agent_gone: Callable[[], bool] | None = None,
+) -> None:
     """Start this worker's watcher of its side channel (once per world).
 
     The channel is `prefix` in the root store of torch's agent (the world's
     store). `answer(kind)` answers requests other than cancels ("ask" from
-    `_side`); without it they get no answer.
+    `_side`); without it they get no answer. `agent_gone()` is called once
+    torch's agent has stopped without asyncrpc (torch's own `rpc.shutdown()`):
+    it ends what the world set up, or returns False when someone else does.
     """
     with _watcher.lock:
         if answer is not None:
@@ -327,7 +336,7 @@ def watch(prefix: str = SIDE_PREFIX, answer: Answer | None = None) -> None:
         # (An atexit hook would stay registered, and leave a slot behind per world.)
         done = threading.Event()
         guard = threading.Thread(
-            target=_guard, args=(done,), name="asyncrpc-exit-guard", daemon=False
+            target=_guard, args=(done, agent_gone), name="asyncrpc-exit-guard", daemon=False
         )
         _watcher.thread, _watcher.rank, _watcher.store = thread, rank, store
         _watcher.guard, _watcher.done = guard, done
@@ -349,12 +358,14 @@ def side_channel() -> tuple[Any, str | None, str] | None:
         return _watcher.store, _watcher.address, _watcher.prefix
 
 
-def _guard(done: threading.Event) -> None:
+def _guard(done: threading.Event, agent_gone: Callable[[], bool] | None) -> None:
     main = threading.main_thread()
     while not done.wait(_GUARD_POLL_S):
         if not main.is_alive():  # the interpreter is exiting: it waits for this thread
             stop_watching()
             return
+        if agent_gone is not None and not _torch.agent_running() and agent_gone():
+            return  # torch's own shutdown ended the world; agent_gone stopped the watcher
 
 
 def stop_watching() -> None:

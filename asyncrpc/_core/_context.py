@@ -83,7 +83,10 @@ class Settings:
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         after = self.hang_report_after
         if after is not None and (
-            not isinstance(after, (int, float)) or not math.isfinite(after) or after <= 0
+            isinstance(after, bool)  # True would read as 1 s
+            or not isinstance(after, (int, float))
+            or not math.isfinite(after)
+            or after <= 0
         ):
             raise ValueError(
                 f"hang_report_after must be a finite number of seconds > 0 or None, got {after!r}"

@@ -30,7 +30,7 @@ from . import _cancel, _side, _waits
 from ._failures import label_of
 from ._futures import call_later
 
-__all__ = ["QUEUE_MAX", "stop", "watch"]
+__all__ = ["QUEUE_MAX", "stop", "watch", "watch_future"]
 
 QUEUE_MAX = 256
 _ASK_S = 3.0  # how long the reporter waits for the workers' dumps
@@ -58,6 +58,30 @@ def watch(reply: Any, seconds: float, names: tuple[str, ...]) -> None:
     """Report `reply`'s call if it is still pending in `seconds`."""
     ref = weakref.ref(reply)
     call_later(seconds, lambda: _due(ref, seconds, names))
+
+
+class _Pending:
+    """A call whose only Future is torch's (rpc_sync, remote): pending until it is done."""
+
+    __slots__ = ("__weakref__", "future", "key", "label", "worker")
+
+    def __init__(self, future: Any, worker: str, label: object, key: int) -> None:
+        self.future, self.worker, self.label, self.key = future, worker, label, key
+
+    def pending(self) -> bool:
+        return not self.future.done()
+
+    def __call__(self, _: Any) -> None:
+        """Done: torch drops this callback, and with it the last reference to self."""
+
+
+def watch_future(
+    future: Any, worker: str, label: object, key: int, seconds: float, names: tuple[str, ...]
+) -> None:
+    """`watch` for a call read through torch's own Future (rpc_sync, remote)."""
+    pending = _Pending(future, worker, label, key)
+    future.add_done_callback(pending)  # keeps it alive while the call is pending, no longer
+    watch(pending, seconds, names)
 
 
 def _due(ref: weakref.ref[Any], seconds: float, names: tuple[str, ...]) -> None:

@@ -9,7 +9,9 @@ address of the world's store and the key prefix of the channel in it::
     worker ──end────> file removed
     asyncrpc-dump ──> every file whose process lives, grouped by address: the worlds
 
-A file whose process has died (or is a zombie) is stale: listing removes it.
+A file whose process has died (or is a zombie), or whose pid now belongs to
+another process (pids are reused: the file records when its process
+started), is stale: listing removes it.
 The folder is the user's own (mode 0700); files are written whole, then
 renamed into place.
 """
@@ -49,6 +51,7 @@ def register(address: str, prefix: str, rank: int, name: str, names: tuple[str, 
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started": time.time(),
+        "process_started": _started(os.getpid()),  # tells a reused pid apart
     }
     path = folder() / f"{address.replace(':', '_')}_{rank}_{os.getpid()}.json"
     partial = path.with_suffix(".tmp")
@@ -74,7 +77,7 @@ def worlds() -> dict[str, list[dict[str, Any]]]:
             pid = int(entry["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being written, or not ours
-        if not _alive(pid):
+        if not _alive(pid) or _started(pid) != entry.get("process_started"):
             unregister(str(path))
             continue
         found.setdefault(str(entry["address"]), []).append(entry)
@@ -93,3 +96,12 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True  # no /proc here: signal 0 said it exists
+
+
+def _started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc's starttime); None: unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -77,7 +77,8 @@ class Reporter:
         self, state: _cancel.Running, frames: dict[int, types.FrameType], now: float
     ) -> dict[str, Any]:
         thread = state.thread
-        frame = frames.get(thread) if thread is not None else None
+        doer = thread if thread is not None else state.worker
+        frame = frames.get(doer) if doer is not None else None
         if frame is not None:
             stack = format_frames(frame)
         else:

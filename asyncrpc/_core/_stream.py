@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar, cast
 import torch
 from torch.futures import Future
 
-from . import _activity, _calls, _torch, _world
+from . import _activity, _calls, _cancel, _torch, _world
 from ._errors import CancelledError, SerializationError
 from ._execution import start_coroutine
 from ._failures import Failure, capture, check_reply, hold, label_of
@@ -375,6 +375,9 @@ def _pull(key: int, opener: tuple[Any, ...] | None, n: int) -> Future[Any]:
         if isinstance(opened, Failure):
             return completed(([], True, opened))
         producer = opened
+    state = _cancel.current()
+    if state is not None and producer.thread is not None:
+        state.worker = producer.thread.ident  # where asyncrpc-dump finds its stack
     reply = producer.pull(n)
     reply.add_done_callback(lambda done: _forget_if_ended(key, producer, done))
     return reply

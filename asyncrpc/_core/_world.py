@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import os
 import socket
 import threading
@@ -115,9 +116,25 @@ def _adopt() -> World:
     context = Context(int(me.id), len(names), str(me.name), names, _leave=_leave)
     world = World(context, _torch.agent_threads(), hang_after=_hang_after_from_env())
     _install_hooks()  # first: a world is only cached once torch is patched for it
-    _watch(world, _cancel.SIDE_PREFIX)
     _adopted = (agent, world)
+    _watch(world, _cancel.SIDE_PREFIX, agent_gone=_torch_shut_down)
     return world
+
+
+def _torch_shut_down() -> bool:
+    """torch's own `rpc.shutdown()` ended a world asyncrpc adopted: end what it set up.
+
+    Called by the side channel's guard thread; False while a shutdown of
+    asyncrpc's own holds the lock (that one ends the world).
+    """
+    if not _lock.acquire(blocking=False):
+        return False
+    try:
+        if _world is None and _adopted is not None and not _torch.agent_running():
+            _end_world(_adopted[1], left=True)
+        return True
+    finally:
+        _lock.release()
 
 
 def _hang_after_from_env() -> float | None:
@@ -128,17 +145,20 @@ def _hang_after_from_env() -> float | None:
     try:
         seconds = float(raw)
     except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(
             f"environment variable ASYNCRPC_HANG_REPORT_AFTER={raw!r} is not a number of "
-            f"seconds; set it to e.g. 30, or unset it"
-        ) from None
-    return seconds if seconds > 0 else None
+            f"seconds above 0; set it to e.g. 30, or unset it to turn hang reports off"
+        )
+    return seconds
 
 
-def _watch(world: World, prefix: str) -> None:
+def _watch(world: World, prefix: str, agent_gone: Callable[[], bool] | None = None) -> None:
     """Start the side channel's watcher and register the world for asyncrpc-dump/top."""
     ctx = world.context
-    _cancel.watch(prefix, _snapshot.Reporter(ctx.rank, ctx.names, world.threads))
+    reporter = _snapshot.Reporter(ctx.rank, ctx.names, world.threads)
+    _cancel.watch(prefix, reporter, agent_gone)
     channel = _cancel.side_channel()
     if channel is None or world.registration is not None:
         return

@@ -26,8 +26,8 @@ __all__ = ["dump", "main"]
 
 def dump(address: str, entry: dict[str, Any]) -> dict[str, Any]:
     """The world's dump: every worker's answer, and the cycles of waits among them."""
-    workers = ask_world(address, entry, "dump")
-    answered = [w for w in workers if "threads" in w]
+    workers = ask_world(address, entry, "dump", blank={"threads": [], "in_flight": []})
+    answered = [w for w in workers if "error" not in w]
     cycles = _waits.cycles(answered)
     return {
         "world": address,
@@ -48,7 +48,8 @@ def render(result: dict[str, Any]) -> str:
 
 def _render_worker(worker: dict[str, Any]) -> list[str]:
     if "error" in worker:
-        return [f"{worker['name']} (rank {worker['rank']}): {worker['error']}"]
+        pid = "" if worker.get("pid") is None else f", pid {worker['pid']}"
+        return [f"{worker['name']} (rank {worker['rank']}{pid}): {worker['error']}"]
     busy = sum(1 for call in worker["threads"] if call.get("thread") is not None)
     lines = [
         f"{worker['name']} (rank {worker['rank']}, pid {worker['pid']}, {worker['host']}): "

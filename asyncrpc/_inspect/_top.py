@@ -19,24 +19,38 @@ import json
 import time
 from typing import Any
 
+from .._core import _registry
 from ._worlds import ask_world, pick_world
 
 __all__ = ["COLUMNS", "main", "rows"]
 
+# The keys of a row; a worker that does not answer has them as None.
+_BLANK = dict.fromkeys(
+    ("rss_mb", "cpu_percent", "busy_threads", "total_threads", "running", "in_flight",
+     "streams", "failures", "p50_ms", "p99_ms")
+)  # fmt: skip
+
 COLUMNS = (
     ("worker", "name"), ("host", "host"), ("pid", "pid"), ("RSS MB", "rss_mb"),
-    ("CPU %", "cpu_percent"), ("busy/threads", "threads"), ("running", "running"),
-    ("in flight", "in_flight"), ("streams", "streams"), ("failures", "failures"),
+    ("CPU %", "cpu_percent"), ("busy", "threads"), ("run", "running"),
+    ("out", "in_flight"), ("strm", "streams"), ("fail", "failures"),
     ("p50 ms", "p50_ms"), ("p99 ms", "p99_ms"),
 )  # fmt: skip
+# Short titles, so that the table fits an 80-column terminal; the legend says them whole.
+LEGEND = (
+    "busy: busy/total RPC threads  run: calls running  out: calls in flight to others",
+    "strm: open streams  fail: failures so far  p50/p99: latency in the last interval",
+)
 
 
 def rows(workers: list[dict[str, Any]]) -> list[list[str]]:
     """The table's cells, one row per worker, as the command shows them."""
     out = []
     for worker in workers:
-        if "error" in worker:
-            out.append([worker["name"], "-", "-", worker["error"]] + [""] * (len(COLUMNS) - 4))
+        if "error" in worker:  # said below the table (`_notes`)
+            pid = "-" if worker.get("pid") is None else str(worker["pid"])
+            dashes = ["-"] * (len(COLUMNS) - 3)
+            out.append([worker["name"], worker.get("host") or "-", pid, *dashes])
             continue
         cells = []
         for _, key in COLUMNS:
@@ -49,25 +63,48 @@ def rows(workers: list[dict[str, Any]]) -> list[list[str]]:
     return out
 
 
+def _notes(workers: list[dict[str, Any]]) -> list[str]:
+    return [f"{w['name']}: {w['error']}" for w in workers if "error" in w]
+
+
 def _plain(address: str, workers: list[dict[str, Any]]) -> str:
     table = [[title for title, _ in COLUMNS], *rows(workers)]
     widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
     lines = [f"world {address}, {time.strftime('%H:%M:%S')}"]
     lines += [
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in table
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in table
     ]
-    return "\n".join(lines)
+    return "\n".join([*lines, *_notes(workers), *LEGEND])
 
 
 def _rich_table(address: str, workers: list[dict[str, Any]]) -> Any:
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=f"asyncrpc world {address}  {time.strftime('%H:%M:%S')}")
+    table = Table(
+        title=f"asyncrpc world {address}  {time.strftime('%H:%M:%S')}",
+        caption="\n".join([*_notes(workers), *LEGEND]),
+        box=box.SIMPLE_HEAD, padding=0, show_edge=False, caption_justify="left",
+    )  # fmt: skip
     for title, key in COLUMNS:
-        table.add_column(title, justify="left" if key in ("name", "host") else "right")
+        # Numbers never wrap; a long host name gives way first, then the worker's name.
+        table.add_column(
+            title, justify="left" if key in ("name", "host") else "right",
+            no_wrap=True, overflow="ellipsis", min_width=len(title),
+            max_width=12 if key == "host" else None,
+        )  # fmt: skip
     for cells in rows(workers):
         table.add_row(*cells)
     return table
+
+
+def _ask(address: str, entry: dict[str, Any]) -> list[dict[str, Any]]:
+    workers = ask_world(address, entry, "top", blank=_BLANK)
+    if all("error" in w for w in workers) and address not in _registry.worlds():
+        print(f"asyncrpc-top: the world at {address} has ended")
+        raise SystemExit(0)
+    return workers
 
 
 def _live(address: str, entry: dict[str, Any], interval: float) -> None:
@@ -76,12 +113,12 @@ def _live(address: str, entry: dict[str, Any], interval: float) -> None:
     except ImportError:
         print("(rich is not installed: pip install 'asyncrpc[top]' for the live view)")
         while True:
-            print(_plain(address, ask_world(address, entry, "top")), flush=True)
+            print(_plain(address, _ask(address, entry)), flush=True)
             time.sleep(interval)
-    with Live(_rich_table(address, ask_world(address, entry, "top")), auto_refresh=False) as live:
+    with Live(_rich_table(address, _ask(address, entry)), auto_refresh=False) as live:
         while True:
             time.sleep(interval)
-            live.update(_rich_table(address, ask_world(address, entry, "top")), refresh=True)
+            live.update(_rich_table(address, _ask(address, entry)), refresh=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,13 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     opts = parser.parse_args(argv)
     if opts.json and not opts.once:
         parser.error("--json needs --once")
+    if not opts.interval > 0:  # also NaN
+        parser.error(f"--interval must be a number of seconds above 0, got {opts.interval}")
     address, entry = pick_world(opts.world)
     if not opts.once:
         try:
             _live(address, entry, opts.interval)
         except KeyboardInterrupt:
             return
-    workers = ask_world(address, entry, "top")
+    workers = _ask(address, entry)
     if opts.json:
         print(json.dumps({"world": address, "workers": workers}, indent=2))
     else:

@@ -9,6 +9,7 @@ asyncrpc-dump [--world host:port]
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -43,25 +44,57 @@ def pick_world(wanted: str | None) -> tuple[str, dict[str, Any]]:
     return address, worlds[address][0]
 
 
+ANSWER_BY_S = 4.0  # from the command's start: it answers within 5 s, its start-up included
+
+
 def ask_world(
-    address: str, entry: dict[str, Any], kind: str, timeout: float = 4.0
+    address: str, entry: dict[str, Any], kind: str, blank: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """Every worker's answer to `kind`, in rank order (one without an answer says so)."""
+    """Every worker's answer to `kind`, in rank order.
+
+    A worker that gives none within the command's time (`ANSWER_BY_S`) is
+    `{name, rank, pid, host, "error"}` plus `blank`, the keys an answer
+    would have; its pid and host are known when it registered on this machine.
+    """
     names = list(entry["names"])
     try:
-        store = _side.connect(address, entry["prefix"])
-    except Exception as exc:
-        _fail(EXIT_NO_WORLD, f"cannot reach the world's store at {address} ({exc}); it may "
-              f"have just ended")  # fmt: skip
+        store = _side.connect(address, entry["prefix"], timeout=2.0)
+    except Exception as exc:  # torch's message goes on with C++ frames: its first line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        _fail(EXIT_NO_WORLD, f"cannot reach the world's store at {address} ({first}); it "
+              f"may have just ended")  # fmt: skip
+    timeout = max(1.0, ANSWER_BY_S - _running_for())
     answers = _side.ask(store, range(len(names)), kind, timeout)
+    known = {e["rank"]: e for e in _registry.worlds().get(address, [])}
     workers = []
     for rank, name in enumerate(names):
         answer = answers[rank]
         if answer is None:
-            answer = {"name": name, "rank": rank, "pid": None,
-                      "error": f"no answer within {timeout:g} s"}  # fmt: skip
+            here = known.get(rank, {})
+            answer = {"name": name, "rank": rank, "pid": here.get("pid"),
+                      "host": here.get("host"), **(blank or {}),
+                      "error": f"no answer within {timeout:.1f} s ({_NO_ANSWER})"}  # fmt: skip
         workers.append(answer)
     return workers
+
+
+# Why a worker may not answer: its watcher thread cannot run, or it has none yet.
+_NO_ANSWER = (
+    "a thread of it holds the GIL, it is stopped or gone, or, in a world torch started, "
+    "asyncrpc has not run in it yet"
+)
+
+
+def _running_for() -> float:
+    """Seconds since this process started (its imports included); 0 where unknown."""
+    try:
+        with open("/proc/self/stat") as stat:
+            started = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as uptime:
+            now = float(uptime.read().split()[0])
+        return max(0.0, now - started / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _listing(worlds: dict[str, list[dict[str, Any]]]) -> str:

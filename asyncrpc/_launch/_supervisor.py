@@ -455,12 +455,19 @@ def _report(failures: list[WorkerFailedError]) -> WorkerFailedError | None:
 
 
 def _stop(procs: list[BaseProcess]) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    deadline = time.monotonic() + _KILL_AFTER_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    try:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + _KILL_AFTER_S
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    except KeyboardInterrupt:  # Ctrl-C again while they stop: no second traceback, kill now
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(_KILL_AFTER_S)

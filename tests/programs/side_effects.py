@@ -3,10 +3,12 @@
 After the last shutdown nothing of asyncrpc stays registered: no atexit
 callback (nor an emptied slot), no signal handler, no thread.
 
-    python tests/programs/side_effects.py [init|torch]
+    python tests/programs/side_effects.py [init|torch|torch-shutdown]
 
 `init`: a world started by asyncrpc.init; `torch`: one started by torch's
-own rpc.init_rpc and adopted by asyncrpc, ended by asyncrpc.shutdown().
+own rpc.init_rpc and adopted by asyncrpc, ended by asyncrpc.shutdown();
+`torch-shutdown`: the same, ended by torch's own rpc.shutdown() (asyncrpc
+notices within a moment, and removes its registration for asyncrpc-dump too).
 Prints one line per step; exits non-zero at the first difference.
 """
 
@@ -16,7 +18,9 @@ import importlib
 import os
 import signal
 import sys
+import tempfile
 import threading
+import time
 import warnings
 
 import torch
@@ -113,6 +117,7 @@ def check(step: str, before: dict[str, object], expect_same: bool = True) -> Non
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "init"
+    os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp()  # this run's registrations alone
     for key in KEYS:
         os.environ.pop(key, None)
     torch.set_num_threads(2)
@@ -133,9 +138,21 @@ if __name__ == "__main__":
     if "asyncrpc-cancels" not in during:
         print(f"during the world: no cancel watcher among {during}", flush=True)
         sys.exit(1)
-    asyncrpc.shutdown()
+    registered = sorted(asyncrpc._core._registry.folder().glob("*.json"))
+    if mode == "torch-shutdown":
+        rpc.shutdown()  # torch's own: asyncrpc's exit guard sees the agent gone
+        deadline = time.monotonic() + 5
+        while asyncrpc_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        asyncrpc.shutdown()
     assert not asyncrpc._core._torch.agent_running(), "the agent is still up"
     check("after shutdown", before)
+    still = sorted(asyncrpc._core._registry.folder().glob("*.json"))
+    if len(registered) != 1 or still:
+        print(f"after shutdown: registrations {registered} -> {still}", flush=True)
+        sys.exit(1)
+    print("after shutdown: its registration removed", flush=True)
     left = asyncrpc_threads()
     if left:
         print(f"after shutdown: threads left {left}", flush=True)
