@@ -189,7 +189,13 @@ def test_the_live_top_draws_a_table_a_terminal_shows(tmp_path: pathlib.Path) -> 
             except OSError:
                 break
         top.send_signal(signal.SIGINT)  # Ctrl-C: leaves quietly
-        top.wait(10)
+        while True:  # read on, as a terminal does, or its last writes could block it
+            try:
+                if not os.read(primary, 65536):
+                    break
+            except OSError:  # it has exited: its end of the terminal is closed
+                break
+        top.wait(30)
         os.close(primary)
     finally:
         _stop(world)

@@ -206,10 +206,12 @@ def _run_embedded(
             spec = (rank, world_size, names[rank], host, store.port, settings, roles, attempt,
                     environ, outputs, alive)  # fmt: skip
             proc = spawner.Process(target=_worker, args=(payload, spec, writer), name=names[rank])
+            # Listed before it starts: a Ctrl-C inside start() (the worker may already
+            # run) must still stop it, or multiprocessing's exit would wait for it.
+            procs.append(proc)
             with _forkserver_dies_with_this_process():
                 proc.start()
             writer.close()
-            procs.append(proc)
             errors.append(reader)
         _close_outputs(outputs)  # every worker has its own copy by now
         alive.close()
@@ -455,6 +457,7 @@ def _report(failures: list[WorkerFailedError]) -> WorkerFailedError | None:
 
 
 def _stop(procs: list[BaseProcess]) -> None:
+    procs = [proc for proc in procs if proc.pid is not None]  # started (see _run_embedded)
     try:
         for proc in procs:
             if proc.is_alive():
