@@ -189,12 +189,15 @@ def test_the_live_top_draws_a_table_a_terminal_shows(tmp_path: pathlib.Path) -> 
             except OSError:
                 break
         top.send_signal(signal.SIGINT)  # Ctrl-C: leaves quietly
+        after = b""
         while True:  # read on, as a terminal does, or its last writes could block it
             try:
-                if not os.read(primary, 65536):
-                    break
+                read = os.read(primary, 65536)
             except OSError:  # it has exited: its end of the terminal is closed
                 break
+            if not read:
+                break
+            after += read
         top.wait(30)
         os.close(primary)
     finally:
@@ -205,7 +208,7 @@ def test_the_live_top_draws_a_table_a_terminal_shows(tmp_path: pathlib.Path) -> 
     assert "worker0" in text and "worker1" in text and "p99 ms" in text, text[-2000:]
     assert "busy: busy/total RPC threads" in text
     assert "\x1b[" in text and "─" in text  # drawn by rich, in place, as a terminal shows it
-    assert top.returncode == 0
+    assert top.returncode == 0, after.decode(errors="replace")[-3000:]
 
 
 def test_the_commands_say_when_no_world_or_several_are_running(tmp_path: pathlib.Path) -> None:

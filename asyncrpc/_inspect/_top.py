@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import threading
 import time
 from typing import Any
 
@@ -108,16 +110,33 @@ def _ask(address: str, entry: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _live(address: str, entry: dict[str, Any], interval: float) -> None:
+    """Redraw every `interval` s until Ctrl-C, which ends the view at its next turn.
+
+    Ctrl-C only sets a flag: raised inside a call to the store, it would come
+    out as the store's error (or stop a write to the terminal half-way).
+    """
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        _draw(address, entry, interval, stop)
+    except (Exception, SystemExit):
+        if not stop.is_set():
+            raise  # not an interrupted turn: a real failure
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _draw(address: str, entry: dict[str, Any], interval: float, stop: threading.Event) -> None:
     try:
         from rich.live import Live
     except ImportError:
         print("(rich is not installed: pip install 'asyncrpc[top]' for the live view)")
-        while True:
+        while not stop.is_set():
             print(_plain(address, _ask(address, entry)), flush=True)
-            time.sleep(interval)
+            stop.wait(interval)
+        return
     with Live(_rich_table(address, _ask(address, entry)), auto_refresh=False) as live:
-        while True:
-            time.sleep(interval)
+        while not stop.wait(interval):
             live.update(_rich_table(address, _ask(address, entry)), refresh=True)
 
 
@@ -137,10 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--interval must be a number of seconds above 0, got {opts.interval}")
     address, entry = pick_world(opts.world)
     if not opts.once:
-        try:
-            _live(address, entry, opts.interval)
-        except KeyboardInterrupt:
-            return
+        _live(address, entry, opts.interval)
+        return
     workers = _ask(address, entry)
     if opts.json:
         print(json.dumps({"world": address, "workers": workers}, indent=2))

@@ -405,6 +405,9 @@ def _watch_parent(alive: Connection) -> None:
     threading.Thread(target=watch, name="asyncrpc-parent-watch", daemon=True).start()
 
 
+_WAKE_S = 0.25  # how often the supervisor's wait returns, to take a Ctrl-C
+
+
 def _supervise(
     procs: list[BaseProcess],
     errors: list[multiprocessing.connection.Connection],
@@ -415,8 +418,11 @@ def _supervise(
     failures: list[WorkerFailedError] = []
     deadline = None
     while running:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready = multiprocessing.connection.wait(list(running), timeout)  # type: ignore[arg-type]
+        # Never an endless wait: a Ctrl-C the kernel hands to another thread (torch's
+        # store runs some here) does not interrupt this one; Python raises it here
+        # only once the wait returns.
+        timeout = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.monotonic())
+        ready = multiprocessing.connection.wait(list(running), max(0.0, timeout))  # type: ignore[arg-type]
         exited = sorted((running.pop(s) for s in ready), key=lambda r: _signal_first(procs[r]))
         for rank in exited:
             procs[rank].join()

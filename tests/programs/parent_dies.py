@@ -7,7 +7,9 @@ sums a huge range in one C call that never lets the GIL go; the parent
 prints `PARENT <pid>` first.
 """
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -23,5 +25,6 @@ def main(ctx: asyncrpc.Context, hold_gil: bool) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1)  # the test asks for the stacks of a parent stuck
     print(f"PARENT {os.getpid()}", flush=True)
     asyncrpc.run(main, world_size=3, args=("--hold-gil" in sys.argv,))
