@@ -26,5 +26,8 @@ def main(ctx: asyncrpc.Context, hold_gil: bool) -> None:
 
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1)  # the test asks for the stacks of a parent stuck
+    # Ctrl-C as in a terminal's foreground, also when the tests run in the background
+    # (a shell starts background jobs with SIGINT ignored, and that is inherited).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"PARENT {os.getpid()}", flush=True)
     asyncrpc.run(main, world_size=3, args=("--hold-gil" in sys.argv,))
