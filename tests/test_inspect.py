@@ -250,7 +250,7 @@ def test_a_worker_that_does_not_answer_is_listed_with_its_pid_and_every_key(
     entry = {"address": f"127.0.0.1:{store.port}", "prefix": "asyncrpc/side/", "rank": 0,
              "name": "worker0", "names": ["worker0"], "pid": os.getpid(), "host": "here",
              "started": time.time(),
-             "process_started": _registry._started(os.getpid())}  # fmt: skip
+             "process_started": _registry.process_started(os.getpid())}  # fmt: skip
     (tmp_path / "asyncrpc").mkdir()
     (tmp_path / "asyncrpc" / f"127.0.0.1_{store.port}_0_{os.getpid()}.json").write_text(
         json.dumps(entry)

@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["folder", "register", "unregister", "worlds"]
+__all__ = ["folder", "process_started", "register", "unregister", "worlds"]
 
 
 def folder() -> pathlib.Path:
@@ -51,7 +51,7 @@ def register(address: str, prefix: str, rank: int, name: str, names: tuple[str, 
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started": time.time(),
-        "process_started": _started(os.getpid()),  # tells a reused pid apart
+        "process_started": process_started(os.getpid()),  # tells a reused pid apart
     }
     path = folder() / f"{address.replace(':', '_')}_{rank}_{os.getpid()}.json"
     partial = path.with_suffix(".tmp")
@@ -77,7 +77,7 @@ def worlds() -> dict[str, list[dict[str, Any]]]:
             pid = int(entry["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being written, or not ours
-        if not _alive(pid) or _started(pid) != entry.get("process_started"):
+        if not _alive(pid) or process_started(pid) != entry.get("process_started"):
             unregister(str(path))
             continue
         found.setdefault(str(entry["address"]), []).append(entry)
@@ -98,7 +98,7 @@ def _alive(pid: int) -> bool:
         return True  # no /proc here: signal 0 said it exists
 
 
-def _started(pid: int) -> int | None:
+def process_started(pid: int) -> int | None:
     """When process `pid` started (clock ticks since boot, /proc's starttime); None: unknown."""
     try:
         with open(f"/proc/{pid}/stat") as stat:

@@ -87,14 +87,13 @@ _NO_ANSWER = (
 
 def _running_for() -> float:
     """Seconds since this process started (its imports included); 0 where unknown."""
+    started = _registry.process_started(os.getpid())
     try:
-        with open("/proc/self/stat") as stat:
-            started = int(stat.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/uptime") as uptime:
             now = float(uptime.read().split()[0])
-        return max(0.0, now - started / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return 0.0
+    return 0.0 if started is None else max(0.0, now - started / os.sysconf("SC_CLK_TCK"))
 
 
 def _listing(worlds: dict[str, list[dict[str, Any]]]) -> str:
