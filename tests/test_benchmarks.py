@@ -96,6 +96,10 @@ CASES = {
             "second world, same process, first call",
         ],
     ),
+    "stream_snapshot": (
+        ["--rounds", "1", "--items", "100"],
+        ["stream of small items (64 B)", "stream of 1 MiB items"],
+    ),
 }
 # Rows without a peer when Ray is left out: they must print asyncrpc's figure.
 FIGURES = {

@@ -221,6 +221,22 @@ def test_1000_cancels_leave_nothing_behind(world: asyncrpc.Context) -> None:
     assert asyncrpc.rpc_sync("worker1", mark, args=("after the 1000",)) == "ran"  # still serving
 
 
+@pytest.mark.timeout(60)
+def test_cancelled_then_chains_stop_their_calls_and_leave_nothing_on_the_callee(
+    world: asyncrpc.Context,
+) -> None:
+    sources = [asyncrpc.rpc_async("worker1", wait_forever, args=(f"t{i}",)) for i in range(100)]
+    futs = [source.then(lambda f: f.wait()).then(lambda f: "swallowed") for source in sources]
+    _until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers)[0] >= 100, 30.0)
+    assert all([fut.cancel() for fut in futs])  # each one back to its call
+    for fut in futs + sources:
+        with pytest.raises(asyncrpc.CancelledError):
+            fut.wait()
+    assert _until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers) == (0, 0, 0)), (
+        asyncrpc.rpc_sync("worker1", callee_leftovers)
+    )
+
+
 def test_a_cancelled_calls_spans_end_with_its_cause(
     world: asyncrpc.Context, tmp_path: Any
 ) -> None:

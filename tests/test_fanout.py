@@ -1,17 +1,25 @@
-"""Local fan-out: every engine, the timed "auto" choice, the thread budget, bad input."""
+"""Local fan-out: every engine, the timed "auto" choice, the thread budget, bad input,
+random numbers under each engine, and copies (deepcopy, pickle)."""
 
 from __future__ import annotations
 
+import copy
+import logging
+import pickle
 import statistics
 import threading
 import time
 import warnings
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import asyncrpc
 from asyncrpc import FanoutPlan
+from asyncrpc._fanout._copies import copied_members, rows_of
 from asyncrpc._fanout._tuner import Tuner
 
 from conftest import ROOT, run_program
@@ -286,3 +294,217 @@ def test_exit_hook_joins_pool_threads_and_meets_every_inter_op_thread() -> None:
     assert not any(thread.is_alive() for thread in pool._threads)
     assert _exit._barrier.parties == torch.get_num_interop_threads()
     assert not _exit._barrier.broken, "an inter-op thread never reached the barrier"
+
+
+# ---- random numbers: "auto" keeps the serial stream ----------------------------------
+
+
+def _dropouts(n: int = 3) -> list[torch.nn.Module]:
+    torch.manual_seed(0)  # stackable: "auto" offers serial, vmap and thread lanes
+    return [
+        torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 2))
+        for _ in range(n)
+    ]
+
+
+def _train(members: list[torch.nn.Module], fan: asyncrpc.Fanout | None) -> torch.Tensor:
+    """20 SGD steps (dropout draws every step); the members' weights after them, flat."""
+    opt = torch.optim.SGD([p for m in members for p in m.parameters()], lr=0.1)
+    torch.manual_seed(1)
+    for _ in range(20):
+        x = torch.rand(8, 4)
+        outputs = fan(x) if fan is not None else [m(x) for m in members]
+        opt.zero_grad()
+        sum(out.square().mean() for out in outputs).backward()  # type: ignore[union-attr]
+        opt.step()
+    return torch.cat([p.detach().flatten() for m in members for p in m.parameters()])
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_auto_trains_dropout_members_as_serial_does_bit_for_bit() -> None:
+    serial = _train(members := _dropouts(), None)
+    for _ in range(3):  # whatever the timing: the first call draws, so every call is serial
+        fan = asyncrpc.Fanout(members := _dropouts())
+        assert [plan.engine for plan in fan.plans] == ["serial", "vmap", "threads"]
+        assert torch.equal(_train(members, fan), serial)
+        assert fan.plan == FanoutPlan("serial", 1, 2)
+        assert "member 0 (Sequential) drew random numbers" in fan.declined["threads"]
+        assert "drew random numbers" in fan.declined["vmap"]
+        fan.close()
+
+
+class _Plans:
+    """`auto`'s choice, made by the test instead of the clock: any plan, at any call."""
+
+    def __init__(self, fan: asyncrpc.Fanout) -> None:
+        self.fan = fan
+
+    def pick(self, index: int) -> None:
+        if self.fan.plan is None:  # it picks once, as the tuner does
+            plans = self.fan.plans
+            self.fan._tuner.chosen = plans[index % len(plans)]
+
+
+def _noisy(k: float) -> Any:
+    def member(x: torch.Tensor) -> torch.Tensor:
+        return x * k + torch.rand(x.shape)  # a function that draws: no mode to read
+
+    return member
+
+
+_STEPS = st.lists(
+    st.tuples(st.sampled_from(["call", "map", "train", "eval", "pick"]), st.integers(0, 3)),
+    min_size=1,
+    max_size=8,
+)
+
+
+@pytest.mark.usefixtures("two_threads")
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["dropout", "function"]), steps=_STEPS)
+def test_auto_draws_what_serial_draws_whichever_plan_it_picks_and_when(
+    kind: str, steps: list[tuple[str, int]]
+) -> None:
+    members: list[Any] = _dropouts() if kind == "dropout" else [_noisy(k) for k in (1, 2, 3)]
+    own = copy.deepcopy(members)  # the reference: one by one
+    fan = asyncrpc.Fanout(members)
+    plans = _Plans(fan)
+    torch.manual_seed(5)
+    for what, number in [*steps, ("call", 0)]:
+        if what in ("train", "eval") and kind == "dropout":
+            for m in [*members, *own]:
+                m.train(what == "train")
+        elif what == "pick":
+            plans.pick(number)  # as if the timing had chosen this plan now
+        inputs = [(torch.rand(2, 4),) for _ in members]
+        before = torch.get_rng_state()
+        got = fan.map(inputs) if what == "map" else fan(inputs[0][0])
+        after = torch.get_rng_state()
+        torch.set_rng_state(before)
+        want = [m(*(i if what == "map" else inputs[0])) for m, i in zip(own, inputs, strict=True)]
+        assert torch.equal(after, torch.get_rng_state())  # the same numbers were drawn
+        drawing = kind == "function" or any(m.training for m in members)
+        for a, b in zip(got, want, strict=True):  # vmap in eval: to float rounding
+            assert torch.equal(a, b) if drawing else torch.allclose(a, b, atol=1e-6)
+        if drawing:
+            assert fan.plan is not None and fan.plan.engine == "serial"
+    fan.close()
+
+
+class _Sometimes(torch.nn.Module):
+    """Draws only for inputs with a negative entry: its modes cannot tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w + (torch.rand(x.shape) if bool((x < 0).any()) else 0)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_auto_runs_serially_after_a_parallel_call_drew_and_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fan = asyncrpc.Fanout([_Sometimes(), _Sometimes()])
+    lanes = FanoutPlan("threads", 2, 1)
+    assert fan.plans[-1] == lanes
+    with torch.no_grad():
+        fan(torch.ones(2))  # the first call, serial: draws nothing
+        _Plans(fan).pick(len(fan.plans) - 1)
+        assert fan.plan == lanes and "threads" not in fan.declined
+        fan(torch.ones(2))  # on the lanes, still nothing drawn
+        with caplog.at_level(logging.WARNING, logger="asyncrpc"):
+            fan(-torch.ones(2))  # drew on the lanes: caught after the call
+        assert fan.plan == FanoutPlan("serial", 1, 2)
+        assert (
+            "drew random numbers" in fan.declined["threads"]
+            and "not in member order" in caplog.text
+        )
+        torch.manual_seed(3)
+        got = fan(-torch.ones(2))
+        torch.manual_seed(3)
+        assert all(
+            torch.equal(a, m(-torch.ones(2))) for a, m in zip(got, fan.members, strict=True)
+        )
+    fan.close()
+
+
+def test_the_vmap_engine_draws_the_same_numbers_for_the_same_seed() -> None:
+    runs = []
+    for _ in range(2):
+        with asyncrpc.Fanout(members := _dropouts(), engine="vmap") as fan:
+            runs.append(_train(members, fan))
+            assert fan.plan is not None and fan.plan.engine == "vmap" and not fan.declined
+    assert torch.equal(runs[0], runs[1])
+
+
+# ---- copies: copy.deepcopy and pickle -----------------------------------------------
+
+
+def _linears(n: int = 4) -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    return [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(n)]
+
+
+def _pointers(members: Any) -> set[int]:
+    return {
+        t.untyped_storage().data_ptr() for m in members for t in [*m.parameters(), *m.buffers()]
+    }
+
+
+@pytest.mark.parametrize("engine", ["auto", "threads", "vmap", "serial"])
+def test_deepcopy_gives_a_new_fanout_over_copies_with_the_same_options(engine: str) -> None:
+    members = _linears()
+    names = [f"head {i}" for i in range(4)]
+    fan = asyncrpc.Fanout(members, engine=engine, threads=2, names=names)  # type: ignore[arg-type]
+    x = torch.rand(3, 8)
+    with torch.no_grad():
+        fan(x), fan(x)  # vmap: the members' tensors are rows of the stacks now
+        copied = copy.deepcopy(fan)
+        assert (copied.engine, copied.names, copied._options) == (engine, tuple(names), (2, False))
+        assert all(c is not m for c, m in zip(copied.members, members, strict=True))
+        assert not _pointers(copied.members) & _pointers(members)  # memory of its own
+        if engine == "vmap":  # rows of the stacks: each copied tensor gets a block of its own
+            assert fan._storage() is not None
+            alone = copied_members(fan.members, rows_of(fan.members, fan._storage()))
+            for t in [t for m in alone for t in [*m.parameters(), *m.buffers()]]:  # type: ignore[attr-defined]
+                assert t.untyped_storage().nbytes() == t.nbytes
+        for a, b in zip(copied(x), fan(x), strict=True):
+            torch.testing.assert_close(a, b)
+        copied.members[0][0].weight.add_(1)  # a copy's step leaves the original alone
+        assert not torch.allclose(copied(x)[0], fan(x)[0])
+    assert all(pool is not fan._pools.get(plan) for plan, pool in copied._pools.items())
+    fan.close()
+    copied.close()
+
+
+def test_deepcopy_keeps_members_copied_alongside_the_fanout_one_object() -> None:
+    members = _linears(2)
+    fan = asyncrpc.Fanout(members, engine="threads")
+    fan(torch.rand(1, 8))
+    copied = copy.deepcopy({"fan": fan, "members": members})
+    assert copied["fan"].members == tuple(copied["members"])
+    fan.close()
+    copied["fan"].close()
+
+
+def test_pickle_gives_a_new_fanout_and_a_stacked_member_pickles_alone() -> None:
+    members = [torch.nn.Linear(64, 64) for _ in range(8)]
+    fan = asyncrpc.Fanout(members, engine="vmap", names=[f"q{i}" for i in range(8)])
+    x = torch.rand(2, 64)
+    with torch.no_grad():
+        fan(x), fan(x)
+    stacked = fan._stacked is not None and fan._stacked.storage is not None
+    blob = pickle.dumps(fan)
+    alone = len(pickle.dumps([torch.nn.Linear(64, 64) for _ in range(8)]))
+    assert len(blob) < 1.5 * alone, (stacked, len(blob), alone)  # not 8 whole stacks
+    loaded = pickle.loads(blob)
+    assert (loaded.engine, loaded.names) == ("vmap", fan.names)
+    with torch.no_grad():
+        for a, b in zip(loaded(x), fan(x), strict=True):
+            torch.testing.assert_close(a, b)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError), match="lambda"):
+        pickle.dumps(asyncrpc.Fanout([lambda x: x, abs], engine="serial"))
+    fan.close()
+    loaded.close()

@@ -1,7 +1,9 @@
 """Seeing inside running worlds: asyncrpc-dump, asyncrpc-top and hang reports, as users run them.
 
 Each test starts real worlds in subprocesses with a runtime folder of its own
-(XDG_RUNTIME_DIR), so the commands find exactly the worlds it started.
+(XDG_RUNTIME_DIR) and a temporary folder of its own (TMPDIR, where a world
+registers when the runtime folder cannot be written), so the commands find
+exactly the worlds it started.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from asyncrpc._core import _registry, _waits
+from asyncrpc._core import _registry
 
 from conftest import PROGRAMS, ROOT, bin_path
 
@@ -27,7 +29,8 @@ BUSY = str(PROGRAMS / "busy_world.py")
 
 
 def _env(runtime: pathlib.Path) -> dict[str, str]:
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    (runtime / "tmp").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "TMPDIR": str(runtime / "tmp")}
     for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         env.pop(key, None)
     return env
@@ -51,26 +54,54 @@ def _command(name: str, runtime: pathlib.Path, *args: str) -> subprocess.Complet
 
 def _registered(runtime: pathlib.Path, workers: int, seconds: float = 60) -> dict[str, Any]:
     """The registrations of the one world in `runtime`, once `workers` have registered."""
-    os.environ_backup = os.environ.get("XDG_RUNTIME_DIR")  # type: ignore[attr-defined]
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
-        try:
-            worlds = _registry.worlds()
-        finally:
-            _restore_runtime()
+        worlds = _worlds_in(runtime)
         if worlds and len(next(iter(worlds.values()))) >= workers:
             return worlds
         time.sleep(0.1)
     raise AssertionError(f"{workers} workers never registered in {runtime}")
 
 
-def _restore_runtime() -> None:
-    before = os.environ_backup  # type: ignore[attr-defined]
-    if before is None:
-        os.environ.pop("XDG_RUNTIME_DIR", None)
-    else:
-        os.environ["XDG_RUNTIME_DIR"] = before
+def _worlds_in(runtime: pathlib.Path) -> dict[str, list[dict[str, Any]]]:
+    """`_registry.worlds()` as the commands see them with `_env(runtime)`."""
+    env = _env(runtime)
+    before = {key: os.environ.get(key) for key in ("XDG_RUNTIME_DIR", "TMPDIR")}
+    os.environ.update({key: env[key] for key in before})
+    try:
+        return _registry.worlds()
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _popen(runtime: pathlib.Path, *argv: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=_env(runtime),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _live_top(runtime: pathlib.Path) -> subprocess.Popen[str]:
+    return _popen(runtime, bin_path("asyncrpc-top"), "--interval", "0.5")
+
+
+def _says_the_world_ended(live: subprocess.Popen[str]) -> None:
+    """The live view ends with the world: one line that says so, status 0, no traceback."""
+    try:
+        out, err = live.communicate(timeout=60)
+    finally:
+        live.kill()
+    ended = [line for line in out.splitlines() if "the world ended" in line]
+    assert live.returncode == 0 and len(ended) == 1, (live.returncode, out[-2000:], err[-3000:])
+    assert "Traceback" not in err and "Error" not in err, err[-3000:]
 
 
 def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
@@ -150,10 +181,12 @@ def test_a_busy_worker_shows_in_top_and_its_stack_in_the_dump(tmp_path: pathlib.
     try:
         _registered(tmp_path, 2)
         assert world.stdout is not None and world.stdout.readline().startswith("BUSY")
+        live = _live_top(tmp_path)
         top = _command("asyncrpc-top", tmp_path, "--once")  # its time: benchmarks/inspect_costs.py
         dump = json.loads(_command("asyncrpc-dump", tmp_path, "--json").stdout)
     finally:
-        _stop(world)
+        _stop(world)  # the world ends at once: killed
+    _says_the_world_ended(live)
     assert top.returncode == 0, top.stderr
     header = top.stdout.splitlines()[1]
     for title in ("worker", "host", "pid", "RSS MB", "CPU %", "busy", "run", "out", "strm",
@@ -281,12 +314,7 @@ def test_a_worker_that_does_not_answer_is_listed_with_its_pid_and_every_key(
 def _registered_count(runtime: pathlib.Path, count: int) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        os.environ_backup = os.environ.get("XDG_RUNTIME_DIR")  # type: ignore[attr-defined]
-        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
-        try:
-            worlds = _registry.worlds()
-        finally:
-            _restore_runtime()
+        worlds = _worlds_in(runtime)
         if len(worlds) == count and all(len(v) == 2 for v in worlds.values()):
             return
         time.sleep(0.1)
@@ -304,10 +332,12 @@ def test_the_commands_work_in_every_kind_of_world(how: str, tmp_path: pathlib.Pa
     try:
         _registered(tmp_path, 2)
         assert world.stdout is not None and world.stdout.readline().startswith("BUSY")
+        live = _live_top(tmp_path)
         dump = _command("asyncrpc-dump", tmp_path, "--json")
         top = _command("asyncrpc-top", tmp_path, "--once", "--json")
     finally:
-        _stop(world)
+        _stop(world)  # the world ends at once, its store and launcher with it
+    _says_the_world_ended(live)
     assert dump.returncode == 0, dump.stderr
     workers = json.loads(dump.stdout)["workers"]
     assert [w["name"] for w in workers] == ["worker0", "worker1"]
@@ -356,30 +386,127 @@ def test_hang_reports_in_a_world_torch_started_come_from_the_environment(
     assert "busy_world.py:" in err and "in crunch" in err
 
 
-def test_cycles_are_found_once_from_the_dumps() -> None:
-    def worker(name: str, threads: list[Any], in_flight: list[Any], total: int = 2) -> Any:
-        return {"name": name, "total_threads": total, "threads": threads, "in_flight": in_flight}
+def _timed(runtime: pathlib.Path, *commands: list[str]) -> list[tuple[float, Any]]:
+    """Run the commands at once: (seconds each took, its result), in order."""
+    started = time.monotonic()
+    procs = [_popen(runtime, bin_path(name), *args) for name, *args in commands]
+    timed = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - started
+        timed.append((took, subprocess.CompletedProcess(proc.args, proc.returncode, out, err)))
+    return timed
 
-    def call(key: int, label: str, thread: int | None = 1) -> Any:
-        return {"key": key, "call": label, "thread": thread}
 
-    def out(to: str, key: int, parent: int) -> Any:
-        return {"to": to, "key": key, "parent": parent, "call": "?"}
+def test_a_stopped_store_host_or_worker_is_named_within_the_bound(tmp_path: pathlib.Path) -> None:
+    from asyncrpc._inspect._worlds import store_holder
 
-    a = worker("a", [call(1, "f()"), call(2, "f()", 2)], [out("b", 10, 1), out("b", 11, 2)])
-    b = worker("b", [call(10, "g()"), call(11, "g()", 2)], [out("a", 20, 10), out("a", 21, 11)])
-    found = _waits.cycles([a, b])
-    assert found == [[("a", "f()"), ("b", "g()"), ("a", "(queued: all 2 RPC threads busy)")]]
-    assert _waits.describe(found[0]).startswith("cycle: a f() -> b g() -> a (queued")
-    free = worker("a", [call(1, "f()")], [out("b", 10, 1)])  # a has a free RPC thread
-    assert _waits.cycles([free, b]) == []
-    waiting = worker("a", [call(1, "f()", None)], [out("b", 10, 1)], total=1)  # async: no thread
-    assert _waits.cycles([waiting, worker("b", [call(10, "g()")], [out("a", 20, 10)])]) == []
-    # f() holds the only RPC thread of a, waiting for a reply only that thread could deliver
-    late = {**out("b", 10, 1), "age_s": 5.0}
-    starved = _waits.cycles([worker("a", [call(1, "f()")], [late], total=1), worker("b", [], [])])
-    assert starved == [[("a", "f()"), ("a", "(reply waits: all 1 RPC threads busy)")]]
-    fresh = {**late, "age_s": 0.1}  # just sent: maybe still on the wire
-    assert (
-        _waits.cycles([worker("a", [call(1, "f()")], [fresh], total=1), worker("b", [], [])]) == []
-    )
+    # A world torch started: no heartbeats, so a stopped process is not taken for a dead
+    # one. Its store is worker0's. A stopped process still takes connections (the kernel
+    # queues them) and never answers.
+    world = _start([sys.executable, BUSY, "60", "--torch"], tmp_path)
+    try:
+        (address, entries), *_ = _registered(tmp_path, 2).items()
+        assert world.stdout is not None and world.stdout.readline().startswith("BUSY")
+        pids = {e["name"]: e["pid"] for e in entries}
+        os.kill(pids["worker1"], signal.SIGSTOP)  # a worker, not the store's: listed as silent
+        try:
+            (silent,) = _timed(tmp_path, ["asyncrpc-dump", "--json"])
+        finally:
+            os.kill(pids["worker1"], signal.SIGCONT)
+        holder = store_holder(address)
+        assert holder == pids["worker0"], (holder, pids)
+        os.kill(holder, signal.SIGSTOP)
+        try:
+            dump, top = _timed(tmp_path, ["asyncrpc-dump"], ["asyncrpc-top", "--once"])
+        finally:
+            os.kill(holder, signal.SIGCONT)
+    finally:
+        _stop(world)
+    took, done = silent
+    assert took < 8.0 and done.returncode == 0, (took, done.stderr)
+    workers = {w["name"]: w for w in json.loads(done.stdout)["workers"]}
+    assert "error" not in workers["worker0"], workers["worker0"]
+    assert workers["worker1"]["pid"] == pids["worker1"]
+    assert "it is stopped (SIGSTOP/Ctrl-Z)" in workers["worker1"]["error"], workers["worker1"]
+    for took, done in (dump, top):
+        assert took < 8.0 and done.returncode == 1, (took, done.stdout, done.stderr)
+        said = f"the store at {address} (held by pid {holder}, worker0) does not answer: it is"
+        assert said + " stopped (SIGSTOP/Ctrl-Z)" in done.stderr, done.stderr
+        assert f"kill -CONT {holder}" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_wait_on_busy_threads_that_ends_is_waiting_not_a_cycle(tmp_path: pathlib.Path) -> None:
+    # worker0's queue waits on f() (in the cycle) and slow() (not in it, and waiting on
+    # nothing): once slow() returns, h() starts, and g() and f() end.
+    world = _start([sys.executable, str(PROGRAMS / "busy_threads_wait.py"), "8"], tmp_path)
+    reports = _Lines(world.stderr)
+    try:
+        _registered(tmp_path, 2)
+        assert world.stdout is not None and world.stdout.readline().startswith("WAITING")
+        live = _live_top(tmp_path)  # until the world ends by itself
+        done = _command("asyncrpc-dump", tmp_path, "--json")
+        text = _command("asyncrpc-dump", tmp_path)
+        out, _ = world.communicate(timeout=60)  # the wait ends: the world does too
+        err = reports.wait_for("call to h() on worker0 still pending")
+        _says_the_world_ended(live)
+    finally:
+        _stop(world)
+    assert world.returncode == 0 and "RESULTS slow done h done" in out, (out, err[-3000:])
+    result = json.loads(done.stdout)
+    assert result["cycles"] == [] and result["waits"], result
+    assert result["waits"][0]["ends_with"] == ["worker0 slow()"], result["waits"]
+    assert "cycle:" not in text.stdout, text.stdout
+    assert "waiting: worker0 f() -> worker1 g() -> worker0 (queued" in text.stdout, text.stdout
+    assert "not a deadlock: it ends when worker0 slow() ends" in text.stdout
+    # The hang reports say the same.
+    assert "still pending after 2 s" in err and "cycle:" not in err, err[-3000:]
+    assert "waiting: worker0 f() -> worker1 g()" in err
+
+
+def _unwritable(runtime: pathlib.Path, temporary_too: bool) -> dict[str, str]:
+    # A regular file where the folder would be: unwritable even for root.
+    env = _env(runtime)
+    (runtime / "asyncrpc").write_text("")
+    if temporary_too:
+        (pathlib.Path(env["TMPDIR"]) / f"asyncrpc-{os.getuid()}").write_text("")
+    return env
+
+
+def test_a_world_starts_where_no_registration_can_be_written_and_says_so_once(
+    tmp_path: pathlib.Path,
+) -> None:
+    env = _unwritable(tmp_path, temporary_too=True)
+    argv = [sys.executable, str(PROGRAMS / "unwritable_registry.py"), "twice"]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0 and done.stdout.split() == ["RAN", "RAN"], done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "runs unregistered" in line]
+    assert len(said) == 1, done.stderr[-3000:]  # two worlds, one process: said once
+    assert str(tmp_path / "asyncrpc") in said[0] and "XDG_RUNTIME_DIR or TMPDIR" in said[0]
+
+
+def test_a_world_registers_in_the_temporary_folder_where_the_runtime_one_is_unwritable(
+    tmp_path: pathlib.Path,
+) -> None:
+    env = _unwritable(tmp_path, temporary_too=False)
+    argv = [sys.executable, str(PROGRAMS / "unwritable_registry.py"), "serve"]
+    world = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert world.stdout is not None and world.stdout.readline().startswith("READY")
+        dump = _command("asyncrpc-dump", tmp_path, "--json")  # finds it in TMPDIR
+        other = tmp_path / "other"  # a session with a runtime folder of its own: not its world
+        other.mkdir()
+        apart = subprocess.run(
+            [bin_path("asyncrpc-dump")], cwd=ROOT, env={**env, "XDG_RUNTIME_DIR": str(other)},
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        out, err = world.communicate("", timeout=60)
+    finally:
+        _stop(world)
+    assert dump.returncode == 0, dump.stderr
+    assert [w["name"] for w in json.loads(dump.stdout)["workers"]] == ["worker0"]
+    assert apart.returncode == 1 and "no asyncrpc world is running" in apart.stderr
+    assert world.returncode == 0 and "RAN" in out and "unregistered" not in err, err[-3000:]

@@ -1,10 +1,22 @@
-"""asyncrpc-launch: torchrun's arguments with asyncrpc's rendezvous defaults."""
+"""asyncrpc-launch: torchrun's arguments with asyncrpc's rendezvous defaults.
+
+And what it must not change or hide: a user's OMP_NUM_THREADS, the program's
+root cause; and what it must not leave: workers after it ends, tracebacks of
+its own on Ctrl-C, a crash on a bad argument.
+"""
+
+import contextlib
+import os
+import signal
+import time
+from typing import Any
 
 import pytest
+from test_exits import alive, descendants
 
 from asyncrpc._launch import _cli as _launch
 
-from conftest import PROGRAMS, bin_path, run_program
+from conftest import PROGRAMS, bin_path, run_program, start_program
 
 
 def test_single_node_uses_a_loopback_store_on_a_free_port() -> None:
@@ -36,13 +48,13 @@ def test_several_nodes_bind_the_master_address() -> None:
             "--nproc-per-node",
             "2",
             "--interface",
-            "veth1",
+            "lo",
             "x.py",
         ]
     )
     assert args.rdzv_endpoint == "10.23.0.1:29555"
     assert args.rdzv_conf == "rank=1"
-    assert args.interface == "veth1"
+    assert args.interface == "lo"
 
 
 def test_several_nodes_accept_a_rendezvous_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,3 +112,138 @@ def test_max_restarts_forms_the_world_again_after_a_kill() -> None:
     # The launcher names the worker it saw die, not only its local rank.
     assert "asyncrpc: worker 'worker1' (rank 1, node " in done.stderr
     assert "was killed by SIGKILL" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--nproc-per-node", "0"], "--nproc-per-node must be a whole number above 0"),
+        (["--nproc-per-node", "-2"], "got '-2'"),
+        (["--nproc-per-node", "three"], "got 'three'"),
+        (["--nnodes", "0"], "--nnodes must be a whole number of machines above 0"),
+        (["--nnodes", "3:2"], "got '3:2'"),
+        (["--nnodes", "two"], "got 'two'"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank must be 0..1 for --nnodes 2, got 2"),
+        (["--node-rank", "-1"], "--node-rank must be 0..0"),
+        (["--node-rank", "one"], "invalid int value: 'one'"),
+        (["--master-port", "65536"], "--master-port must be a port, 0..65535, got 65536"),
+        (["--max-restarts", "-1"], "--max-restarts must be 0 or more, got -1"),
+        (["--monitor-interval", "0"], "--monitor-interval must be a number of seconds above 0"),
+        (["--interface", "no-such-if0"], "got 'no-such-if0'"),
+        (["--rdzv-endpoint", "127.0.0.1:http"], "--rdzv-endpoint must be HOST:PORT"),
+    ],
+)
+def test_a_bad_argument_is_one_line_and_exit_2(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as ended:
+        _launch.build_args([*argv, "x.py"])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncrpc-launch: error: ") and err.count("\n") == 1, err
+    assert named in err and "--help" in err
+
+
+def test_torchruns_named_worker_counts_are_admitted() -> None:
+    import torch
+
+    for value in ("auto", "cpu", "1", "4"):
+        assert _launch.build_args(["--nproc-per-node", value, "x.py"]).nproc_per_node == value
+    assert _launch.local_workers("cpu") == os.cpu_count()
+    if not torch.cuda.is_available():  # "gpu" names the devices there are: none here
+        with pytest.raises(ValueError, match=r"got 'gpu' \(Cuda is not available"):
+            _launch.local_workers("gpu")
+
+
+@pytest.mark.subprocess
+def test_a_bad_argument_from_the_command_line_starts_nothing() -> None:
+    done = run_program(bin_path("asyncrpc-launch"), "--nproc-per-node", "0", "x.py", timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "asyncrpc-launch: error: --nproc-per-node must be a whole number above 0, 'auto' or "
+        "'cpu' (one worker per CPU), or 'gpu' or 'xpu' (one per device) on a machine that "
+        "has them, got '0'; `asyncrpc-launch --help` lists every option"
+    ]
+
+
+def _not_the_default(workers: int) -> str:
+    """An OMP_NUM_THREADS that differs from asyncrpc's default, cores // workers."""
+    return str(max(1, len(os.sched_getaffinity(0)) // workers) + 1)
+
+
+def _launch_and_wait(argv: list[str], env: dict[str, str], count: int) -> tuple[Any, list[str]]:
+    """Start asyncrpc-launch; return it once `count` workers printed their WORKER line."""
+    launcher = start_program(bin_path("asyncrpc-launch"), *argv, env=env)
+    assert launcher.stdout is not None
+    lines: list[str] = []
+    while len(lines) < count:
+        line = launcher.stdout.readline()
+        assert line, f"the world ended before its workers started: {launcher.stderr.read()}"
+        lines += [line] if line.startswith("WORKER ") else []
+    return launcher, lines
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("sig", "hold"),
+    [(signal.SIGINT, False), (signal.SIGKILL, True)],
+    ids=["ctrl-c", "SIGKILL-a-worker-holds-the-GIL"],
+)
+def test_the_launcher_ending_by_a_signal_ends_its_workers(sig: int, hold: bool) -> None:
+    threads = _not_the_default(2)  # a user's OMP_NUM_THREADS is kept
+    argv = ["--nproc-per-node", "2", str(PROGRAMS / "launch_signals.py")]
+    launcher, lines = _launch_and_wait(
+        argv + (["--hold-gil"] if hold else []), {"OMP_NUM_THREADS": threads}, 2
+    )
+    try:
+        assert all(line.split()[3] == f"threads={threads}" for line in lines), lines
+        workers = {int(line.split()[2]) for line in lines}
+        tree = descendants(launcher.pid)
+        assert workers <= tree, (workers, tree)
+        time.sleep(1.0)  # the holding workers are inside their C call
+        os.kill(launcher.pid, sig)
+        _, err = launcher.communicate(timeout=60)
+        deadline = time.monotonic() + 10
+        while alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(tree), {p: open(f"/proc/{p}/cmdline").read()[:80] for p in alive(tree)}
+    finally:
+        for pid in [launcher.pid, *descendants(launcher.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    if sig == signal.SIGINT:
+        assert launcher.returncode == 130, err[-3000:]
+        assert err.splitlines()[-1:] == [
+            "asyncrpc-launch: interrupted (Ctrl-C); the workers were stopped"
+        ], err[-3000:]
+        for noise in ("Traceback", "SignalException", "KeyboardInterrupt", "death signal"):
+            assert noise not in err, err[-3000:]
+
+
+@pytest.mark.subprocess
+def test_the_root_cause_is_the_worker_that_raised() -> None:
+    argv = ["--nproc-per-node", "3", str(PROGRAMS / "launch_signals.py"), "--raise-rank", "1"]
+    done = run_program(bin_path("asyncrpc-launch"), *argv)
+    assert done.returncode == 1, done.stderr[-3000:]
+    others, _, root = done.stderr.partition("Root Cause (first observed failure):")
+    assert "rank      : 1 (local_rank: 1)" in root, done.stderr[-3000:]
+    assert "ExampleFailure: worker1 could not load its shard" in root, done.stderr[-3000:]
+    assert 'launch_signals.py", line' in root  # its traceback
+    assert "rank      : 1 " not in others.rpartition("Failures:")[2]
+    assert "torch/distributed/run.py" not in done.stderr  # no traceback of the launcher's own
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("launcher", ["embedded", "torchrun"])
+def test_a_users_omp_num_threads_is_kept(launcher: str) -> None:
+    program = [str(PROGRAMS / "launch_signals.py"), "--exit"]
+    if launcher == "embedded":
+        argv = ["python", *program, "--world", "2"]
+    else:
+        argv = [bin_path("torchrun"), "--nproc-per-node", "2", *program]
+    threads = _not_the_default(2)
+    done = run_program(*argv, env={"OMP_NUM_THREADS": threads})
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [line.split()[3] for line in done.stdout.splitlines() if line.startswith("WORKER")]
+    assert seen == [f"threads={threads}"] * 2, done.stdout

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from collections.abc import Callable
+from typing import ClassVar
 
 import pytest
 import torch
@@ -269,26 +271,26 @@ def test_members_that_cannot_be_stacked_are_declined_up_front(
     assert all(plan.engine != "vmap" for plan in auto.plans)
 
 
+_TRAINING_STEPS = [0]  # outside the members: no rule reads it, the first call's check does
+
+
 def test_a_different_output_from_the_stacked_call_declines_it() -> None:
     class Counting(torch.nn.Module):
-        """Stackable by every rule, but its output depends on how often it ran."""
+        """Stackable by every rule, but its output depends on how often it ran under grad."""
 
         def __init__(self) -> None:
             super().__init__()
             self.linear = torch.nn.Linear(2, 2)
-            self.calls = [0]
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.calls[0] += 1
-            return self.linear(x) + self.calls[0]
+            if torch.is_grad_enabled():
+                _TRAINING_STEPS[0] += 1
+            return self.linear(x) + _TRAINING_STEPS[0]
 
-    shared = [0]
     members = [Counting() for _ in range(2)]
-    for member in members:
-        member.calls = shared
     fan = asyncrpc.Fanout(members, engine="vmap")
-    with torch.no_grad():
-        out = fan(torch.ones(1, 2))
+    assert not fan.declined
+    out = fan(torch.ones(1, 2))
     assert "stacked outputs differ" in fan.declined["vmap"]
     assert fan.plan is not None and fan.plan.engine == "serial"
     assert len(out) == 2  # that call's results are the members' own
@@ -342,3 +344,209 @@ def test_the_q_ensemble_example_checks_itself() -> None:
     assert "fused Adam step on the members: stacked call sees it: True" in done.stdout
     assert "Polyak update of the target ensemble: stacked call sees it: True" in done.stdout
     assert re.search(r"one by one \d+ us, vmap engine \d+ us per call", done.stdout)
+
+
+# ---- the allowlist: only what the engine can prove is stacked ---------------------------
+
+
+def _grads(members: list[torch.nn.Module], outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    loss = sum(out.square().sum() for out in outputs)
+    assert isinstance(loss, torch.Tensor)
+    params = [p for m in members for p in m.parameters()]
+    return list(torch.autograd.grad(loss, params))
+
+
+@pytest.mark.parametrize("kind", ["full", "pre"])
+def test_backward_hooks_decline_and_scale_the_gradients_as_the_members_do(kind: str) -> None:
+    members, twins = _members(mlp, 3), _members(mlp, 3)
+    for group in (members, twins):
+        if kind == "full":
+            group[1][3].register_full_backward_hook(lambda m, gin, gout: (gin[0] * 4.5,))
+        else:
+            group[1][3].register_full_backward_pre_hook(lambda m, gout: (gout[0] * 4.5,))
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    register = "register_full_backward_hook" if kind == "full" else "pre_hook"
+    assert "member 1's layer '3' has backward" in fan.declined["vmap"]
+    assert register in fan.declined["vmap"]
+    x = torch.rand(5, 8)
+    got = _grads(members, fan(x))
+    want = _grads(twins, [m(x) for m in twins])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+class Configured(torch.nn.Module):
+    """Settings read in forward: a pair of bounds and a temperature."""
+
+    def __init__(self, bounds: object, cfg: object) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.bounds = bounds
+        self.cfg = cfg
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        temperature = self.cfg["temperature"] if isinstance(self.cfg, dict) else self.cfg
+        return self.linear(x).clamp(*self.bounds) / temperature  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("bounds", "cfg", "reason"),
+    [
+        ([-1.0, 1.0], 1.0, "module holds attribute 'bounds', a list"),
+        ((-1.0, 1.0), {"temperature": 1.0}, "module holds attribute 'cfg', a dict"),
+    ],
+    ids=["list", "dict"],
+)
+def test_a_mutable_setting_declines_and_a_change_inside_it_is_seen(
+    bounds: object, cfg: object, reason: str
+) -> None:
+    members = [Configured(copy.deepcopy(bounds), copy.deepcopy(cfg)) for _ in range(3)]
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    assert reason in fan.declined["vmap"]
+    x = torch.rand(5, 8)
+    with torch.no_grad():
+        fan(x)
+        if isinstance(bounds, list):
+            members[1].bounds[0] = 5  # type: ignore[index]
+        else:
+            members[1].cfg["temperature"] = 0.1  # type: ignore[index]
+        _assert_close(fan(x), [m(x) for m in members])
+
+
+def test_immutable_settings_are_stacked_and_a_rebinding_is_seen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    members = [Configured((-1.0, 1.0), 1.0) for _ in range(3)]
+    vmapped = []
+    run_vmap = _stacked.Stacked._run_vmap
+    monkeypatch.setattr(
+        _stacked.Stacked, "_run_vmap", lambda *a: vmapped.append(1) or run_vmap(*a)
+    )
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(5, 8)
+    with torch.no_grad():
+        _assert_close(fan(x), [m(x) for m in members])
+        members[1].bounds = (5.0, 6.0)  # one member unlike the rest: member by member
+        _assert_close(fan(x), [m(x) for m in members])
+        members[1].bounds = [-1.0, 1.0]  # rebound to a list: member by member too
+        _assert_close(fan(x), [m(x) for m in members])
+        members[1].bounds = (-1.0, 1.0)
+        _assert_close(fan(x), [m(x) for m in members])
+    assert not fan.declined and len(vmapped) == 2  # the first call's check, the last call
+
+
+def _tensor_hook(members: list[torch.nn.Module]) -> object:
+    return members[2][0].weight.register_hook(lambda grad: grad * 4.5)
+
+
+@pytest.mark.parametrize(
+    "register",
+    [
+        lambda ms: ms[2][2].register_forward_hook(lambda m, a, out: out * 2),
+        lambda ms: ms[2][0].register_forward_pre_hook(lambda m, a: (a[0] * 2,)),
+        lambda ms: ms[2][3].register_full_backward_hook(lambda m, gin, gout: (gin[0] * 4.5,)),
+        lambda ms: ms[2][3].register_full_backward_pre_hook(lambda m, gout: (gout[0] * 4.5,)),
+        _tensor_hook,
+        lambda ms: torch.nn.modules.module.register_module_full_backward_hook(
+            lambda m, gin, gout: tuple(None if g is None else g * 4.5 for g in gin)
+        ),
+        lambda ms: torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda m, a: (a[0] * 2,) if isinstance(m, torch.nn.Linear) else None
+        ),
+    ],
+    ids=[
+        "forward",
+        "forward-pre",
+        "backward",
+        "backward-pre",
+        "tensor",
+        "global-backward",
+        "global-pre",
+    ],
+)
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_a_hook_added_after_the_first_call_runs_and_its_removal_stacks_again(
+    register: Callable[[list[torch.nn.Module]], object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    members, twins = _members(mlp, 3), _members(mlp, 3)
+    chains = []
+    run_chain = _stacked.Stacked._run_chain
+    monkeypatch.setattr(
+        _stacked.Stacked, "_run_chain", lambda *a: chains.append(1) or run_chain(*a)
+    )
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(5, 8)
+    fan(x)
+    stacked = len(chains)
+    handles = [register(members), register(twins)]
+    try:
+        got, want = fan(x), [m(x) for m in twins]
+        _assert_close(got, want)
+        for a, b in zip(_grads(members, got), _grads(twins, want), strict=True):
+            torch.testing.assert_close(a, b)
+        assert len(chains) == stacked  # that call ran member by member
+    finally:
+        for handle in handles:
+            handle.remove()  # type: ignore[attr-defined]
+    _assert_close(fan(x), [m(x) for m in twins])
+    assert len(chains) == stacked + 1 and not fan.declined  # stacked again
+
+
+class Overrides(Residual):
+    def train(self, mode: bool = True) -> Overrides:
+        return super().train(mode)
+
+
+class Listed(Residual):
+    sizes: ClassVar[list[int]] = [8, 8]  # shared by every instance, and mutable
+
+
+def _state_dict_hooked() -> list[torch.nn.Module]:
+    members = _members(Residual, 2)
+    members[1].register_state_dict_post_hook(lambda m, sd, prefix, meta: None)  # type: ignore[no-untyped-call]
+    return members
+
+
+@pytest.mark.parametrize(
+    ("members", "reason"),
+    [
+        (lambda: _members(Overrides, 2), "Overrides defines train"),
+        (lambda: _members(Listed, 2), "Listed.sizes is a list"),
+        (
+            lambda: _members(
+                lambda: torch.nn.Sequential(Residual(), torch.nn.InstanceNorm1d(8)), 2
+            ),
+            "layer '1' is a InstanceNorm1d, a torch layer the vmap engine does not know",
+        ),
+        (_state_dict_hooked, "member 1's module has state dict hooks"),
+    ],
+    ids=["override", "class-list", "unknown-layer", "state-dict-hook"],
+)
+def test_what_the_engine_cannot_prove_is_declined_with_the_reason(
+    members: Callable[[], list[torch.nn.Module]], reason: str
+) -> None:
+    built = members()
+    fan = asyncrpc.Fanout(built, engine="vmap")
+    assert reason in fan.declined["vmap"], fan.declined
+    x = torch.rand(3, 8)
+    with torch.no_grad():
+        _assert_close(fan(x), [m(x) for m in built])
+
+
+def test_a_user_class_that_passes_the_proof_is_stacked() -> None:
+    class Subclassed(Residual):  # a class of the user's own, over another: forward only
+        scale = 2.0  # an immutable class-level setting
+
+        def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            return self._helper(super().forward(x, scale))
+
+        def _helper(self, h: torch.Tensor) -> torch.Tensor:
+            return h * self.scale
+
+    members = _members(Subclassed, 3)
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(5, 8)
+    with torch.no_grad():
+        _assert_close(fan(x), [m(x) for m in members])
+        _assert_close(fan(x), [m(x) for m in members])
+    assert not fan.declined and fan._stacked is not None and fan._stacked.storage is not None

@@ -1,21 +1,31 @@
 """Differential test: the "vmap" engine and "auto" agree with the members run one by one.
 
 Hypothesis builds random same-architecture ensembles (Sequential chains,
-other module classes, with and without buffers and dropout) and applies
-random sequences of what users do between calls: optimizer steps (SGD with
-momentum; Adam plain, foreach and fused), `.data` writes, Polyak updates,
-`load_state_dict`, attribute and slope changes, train/eval switches,
-`requires_grad` toggles, calls under grad, `no_grad` and `inference_mode`,
-and dtype moves. Three copies of the ensemble take every step alike: one
-behind `Fanout(engine="vmap")`, one behind `Fanout()` ("auto"), one called
-member by member; after every call their outputs, `requires_grad` and state
-must agree.
+other module classes, with and without buffers and dropout; classes with
+tuple settings, list and dict settings, an override of nn.Module's, a
+parametrization; hooks of every kind registered before the `Fanout` is
+made) and applies random sequences of what users do between calls:
+optimizer steps (SGD with momentum; Adam plain, foreach and fused), `.data`
+writes, Polyak updates, `load_state_dict`, attribute and slope changes,
+lists and dicts mutated in place, train/eval switches, `requires_grad`
+toggles, hooks added (forward, forward-pre, full backward, full backward
+pre, tensor and post-accumulate-grad hooks, global module hooks) and
+removed, calls under grad, `no_grad` and `inference_mode`, and dtype
+moves. Three copies of the ensemble take every step alike: one behind
+`Fanout(engine="vmap")`, one behind `Fanout()` ("auto"), one called member
+by member; after every call their outputs, `requires_grad`, gradients
+(after a backward), what their hooks saw and state must agree. What the
+engine cannot prove when it is made (hooks, mutable settings, overrides,
+parametrizations) must be declined then, and what it can, not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -57,6 +67,51 @@ class Normed(torch.nn.Module):
         return self.drop(self.bn(self.linear(x)))
 
 
+class Clamped(torch.nn.Module):
+    """Immutable settings of a class of the user's own: stacked; a rebinding is seen."""
+
+    def __init__(self, dropout: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+        self.drop = torch.nn.Dropout(0.3) if dropout else torch.nn.Identity()
+        self.bounds = (-0.5, 0.5)
+        self.mode = "tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x).clamp(*self.bounds)
+        return self.drop(h.tanh() if self.mode == "tanh" else h)
+
+
+class Bounded(Clamped):
+    """Mutable settings (a list, a dict): a change inside one (`m.bounds[0] = 5`) is unseen."""
+
+    def __init__(self, dropout: bool) -> None:
+        super().__init__(dropout)
+        self.bounds = [-0.5, 0.5]  # type: ignore[assignment]
+        self.cfg = {"temperature": 1.0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) / self.cfg["temperature"]
+
+
+class Overriding(Clamped):
+    """Overrides one of nn.Module's methods: not provable, whatever the override does."""
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Overriding:
+        return super()._apply(fn, recurse)  # type: ignore[return-value]
+
+
+class Halve(torch.nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 0.5
+
+
+def parametrized(dropout: bool) -> torch.nn.Module:
+    member = chain(dropout)
+    torch.nn.utils.parametrize.register_parametrization(member[0], "weight", Halve())
+    return member
+
+
 def chain(dropout: bool) -> torch.nn.Module:
     layers: list[torch.nn.Module] = [torch.nn.Linear(6, 8), torch.nn.LeakyReLU(0.1)]
     if dropout:
@@ -68,7 +123,17 @@ KINDS: dict[str, Callable[[bool], torch.nn.Module]] = {
     "chain": chain,
     "residual": Residual,
     "normed": Normed,
+    "clamped": Clamped,
+    "bounded": Bounded,
+    "overriding": Overriding,
+    "parametrized": parametrized,
 }
+UNPROVABLE = {"bounded", "overriding", "parametrized"}  # declined when the Fanout is made
+# Hooks on a member: on its last submodule (so a backward hook's scaling reaches every
+# parameter's gradient) or its first parameter; each records what it saw.
+MEMBER_HOOKS = ["forward", "forward-pre", "backward", "backward-pre", "tensor", "accumulate",
+                "state-dict"]  # fmt: skip
+GLOBAL_HOOKS = ["global-forward", "global-pre", "global-backward"]
 
 Step = tuple[str, int, int, float]  # what, member, seed, a number
 
@@ -76,7 +141,8 @@ Step = tuple[str, int, int, float]  # what, member, seed, a number
 def _steps() -> st.SearchStrategy[list[Step]]:
     what = st.sampled_from(
         ["call", "call", "call", "sgd", "adam", "adam-foreach", "adam-fused", "data",
-         "polyak", "load", "attribute", "mode", "mode-all", "freeze", "dtype"]
+         "polyak", "load", "attribute", "mutate", "mode", "mode-all", "freeze", "dtype",
+         "hook", "hook", "unhook"]
     )  # fmt: skip
     number = st.floats(0.05, 0.95)
     return st.lists(
@@ -85,11 +151,18 @@ def _steps() -> st.SearchStrategy[list[Step]]:
 
 
 class Copies:
-    """One copy of the ensemble and how it is called."""
+    """One copy of the ensemble, how it is called, and what its hooks saw."""
 
     def __init__(self, members: list[torch.nn.Module], engine: str | None) -> None:
         self.members = members
-        self.fan = asyncrpc.Fanout(members, engine=engine) if engine else None  # type: ignore[arg-type]
+        self.seen: Counter[tuple[str, int]] = Counter()  # (hook, member) -> times it ran
+        self.handles: list[Any] = []
+        self.fan: asyncrpc.Fanout | None = None
+        self.engine = engine
+
+    def start(self) -> None:
+        if self.engine is not None:
+            self.fan = asyncrpc.Fanout(self.members, engine=self.engine)  # type: ignore[arg-type]
 
     def call(self, x: torch.Tensor) -> list[Any]:
         if self.fan is not None:
@@ -107,8 +180,97 @@ def _build(kind: str, n: int, dropout: bool, seed: int) -> list[torch.nn.Module]
     return [m.eval() for m in members]
 
 
+def _hook(c: Copies, index: int, kind: str) -> None:
+    """Register a `kind` hook on member `index` of `c`: it records, and most change a value."""
+    member = c.members[index]
+    last = list(member.modules())[-1]
+    first = next(member.parameters())
+    saw = c.seen
+
+    def note(result: Any = None) -> Any:
+        saw[(kind, index)] += 1
+        return result
+
+    register: dict[str, Callable[[], Any]] = {
+        "forward": lambda: last.register_forward_hook(lambda m, a, out: note(out * 1.5)),
+        "forward-pre": lambda: last.register_forward_pre_hook(lambda m, a: note((a[0] * 0.5,))),
+        "backward": lambda: last.register_full_backward_hook(
+            lambda m, gin, gout: note(_scaled(gin))
+        ),
+        "backward-pre": lambda: last.register_full_backward_pre_hook(
+            lambda m, gout: note(_scaled(gout))
+        ),
+        "tensor": lambda: first.register_hook(lambda grad: note(grad * 4.5)),
+        "accumulate": lambda: first.register_post_accumulate_grad_hook(_halve_grad(note)),
+        "state-dict": lambda: member.register_state_dict_post_hook(
+            lambda m, sd, prefix, meta: None
+        ),
+    }
+    c.handles.append(register[kind]())
+
+
+def _scaled(grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    return tuple(None if g is None else g * 4.5 for g in grads)
+
+
+def _halve_grad(note: Callable[[], Any]) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        note()
+        if p.grad is not None:
+            p.grad.mul_(0.5)
+
+    return hook
+
+
+def _global_hook(copies: list[Copies], kind: str) -> Any:
+    """One hook for every module in the process; it records each call by copy and member."""
+    owner = {
+        id(sub): (c, i) for c in copies for i, m in enumerate(c.members) for sub in m.modules()
+    }
+
+    def note(module: torch.nn.Module, result: Any) -> Any:
+        c, i = owner.get(id(module), (None, -1))
+        if c is None:  # a module no copy holds (a template, a check's copy) ran: a hook
+            _STRAYS[kind] += 1  # the engine would have run where the members did not
+            return None
+        c.seen[(kind, i)] += 1
+        return result if isinstance(module, torch.nn.Linear) else None
+
+    hooks = torch.nn.modules.module
+    return {
+        "global-forward": lambda: hooks.register_module_forward_hook(
+            lambda m, a, out: note(m, out * 1.25)
+        ),
+        "global-pre": lambda: hooks.register_module_forward_pre_hook(
+            lambda m, a: note(m, (a[0] * 0.75,))
+        ),
+        "global-backward": lambda: hooks.register_module_full_backward_hook(
+            lambda m, gin, gout: note(m, None)
+        ),
+    }[kind]()
+
+
+_STRAYS: Counter[str] = Counter()
+_GLOBALS: list[Any] = []  # this example's global hooks, removed when it ends
+
+
 def _apply(step: Step, copies: list[Copies], x: torch.Tensor) -> None:
     what, index, seed, number = step
+    if what == "hook":
+        kinds = MEMBER_HOOKS + GLOBAL_HOOKS
+        kind = kinds[seed % len(kinds)]
+        if kind in GLOBAL_HOOKS:
+            _GLOBALS.append(_global_hook(copies, kind))
+        for c in copies if kind in MEMBER_HOOKS else []:
+            _hook(c, index % len(c.members), kind)
+        return
+    if what == "unhook":
+        for handle in [*_GLOBALS, *(h for c in copies for h in c.handles)]:
+            handle.remove()
+        _GLOBALS.clear()
+        for c in copies:
+            c.handles.clear()
+        return
     for c in copies:
         torch.manual_seed(seed)
         member = c.members[index % len(c.members)]
@@ -160,6 +322,15 @@ def _attribute(c: Copies, member: torch.nn.Module, what: str, number: float, x: 
                 sub.negative_slope = number
             if isinstance(sub, Residual):
                 sub.scale = number
+            if type(sub) is Clamped:  # rebound: a new immutable value
+                sub.bounds = (-number, number)
+                sub.mode = "tanh" if number > 0.5 else "none"
+
+
+def _mutate(c: Copies, member: torch.nn.Module, what: str, number: float, x: Any) -> None:
+    if isinstance(member, Bounded):  # changed inside: the same list and dict
+        member.bounds[0] = -number  # type: ignore[index]
+        member.cfg["temperature"] = number
 
 
 def _mode(c: Copies, member: torch.nn.Module, what: str, number: float, x: Any) -> None:
@@ -183,7 +354,8 @@ def _call(c: Copies, member: torch.nn.Module, what: str, number: float, x: Any) 
 
 _APPLY = {
     "call": _call, "sgd": _optimize, "adam": _optimize, "data": _write, "polyak": _polyak,
-    "load": _load, "attribute": _attribute, "mode": _mode, "freeze": _freeze, "dtype": _dtype,
+    "load": _load, "attribute": _attribute, "mutate": _mutate, "mode": _mode, "freeze": _freeze,
+    "dtype": _dtype,
 }  # fmt: skip
 
 
@@ -208,7 +380,29 @@ def _compare_call(copies: list[Copies], x: torch.Tensor, mode: str) -> None:
             assert a.requires_grad == b.requires_grad, (mode, a.requires_grad, b.requires_grad)
             if not random:  # dropout in training: masks are drawn, not compared
                 torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-4, atol=1e-4)
+    if mode == "grad" and not random:
+        _compare_gradients(copies, outputs)
+    for c in copies[:-1]:  # every hook ran as often, on the same members
+        assert c.seen == copies[-1].seen, (c.engine, c.seen, copies[-1].seen)
+    assert not _STRAYS, _STRAYS
     _compare_state(copies)
+
+
+def _compare_gradients(copies: list[Copies], outputs: list[list[Any]]) -> None:
+    """A backward through each copy's outputs: every member's gradients agree."""
+    for got in outputs:
+        loss = sum(out.square().sum() for out in got if out.requires_grad)
+        if isinstance(loss, torch.Tensor):
+            loss.backward()
+    grads = [[p.grad for m in c.members for p in m.parameters()] for c in copies]
+    for ours in grads[:-1]:
+        for a, b in zip(ours, grads[-1], strict=True):
+            assert (a is None) == (b is None)
+            if a is not None and b is not None:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for c in copies:
+        for m in c.members:
+            m.zero_grad(set_to_none=True)
 
 
 def _drawing(members: list[torch.nn.Module]) -> bool:
@@ -230,8 +424,9 @@ def _compare_state(copies: list[Copies]) -> None:
             assert ours.training == theirs.training
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 @settings(
-    max_examples=30,
+    max_examples=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -240,11 +435,18 @@ def _compare_state(copies: list[Copies]) -> None:
     n=st.integers(2, 4),
     dropout=st.booleans(),
     seed=st.integers(0, 1000),
+    hooks=st.lists(st.tuples(st.sampled_from(MEMBER_HOOKS), st.integers(0, 3)), max_size=2),
     steps=_steps(),
     modes=st.lists(st.sampled_from(["grad", "no_grad", "inference"]), min_size=9, max_size=9),
 )
 def test_the_engines_agree_with_the_members_whatever_happens_between_calls(
-    kind: str, n: int, dropout: bool, seed: int, steps: list[Step], modes: list[str]
+    kind: str,
+    n: int,
+    dropout: bool,
+    seed: int,
+    hooks: list[tuple[str, int]],
+    steps: list[Step],
+    modes: list[str],
 ) -> None:
     base = _build(kind, n, dropout, seed)
     copies = [
@@ -252,13 +454,32 @@ def test_the_engines_agree_with_the_members_whatever_happens_between_calls(
         Copies(copy.deepcopy(base), "auto"),
         Copies(copy.deepcopy(base), None),  # the reference: one by one
     ]
-    torch.manual_seed(seed)
-    x = torch.rand(5, 6)
-    _compare_call(copies, x, "no_grad")
-    for step, mode in zip(steps, modes, strict=False):
-        _apply(step, copies, x)
-        _compare_call(copies, x, mode)
+    for c, (hook, index) in itertools.product(copies, hooks):
+        _hook(c, index % n, hook)
+    for c in copies:
+        c.start()
+    declined = "vmap" in copies[0].fan.declined  # type: ignore[union-attr]
+    assert declined == (kind in UNPROVABLE or bool(hooks)), copies[0].fan.declined  # type: ignore[union-attr]
+    with _global_hooks_removed():
+        torch.manual_seed(seed)
+        x = torch.rand(5, 6)
+        _compare_call(copies, x, "no_grad")
+        for step, mode in zip(steps, modes, strict=False):
+            _apply(step, copies, x)
+            _compare_call(copies, x, mode)
     for c in copies:
         if c.fan is not None:
             c.fan.close()
     _compare_state(copies)
+
+
+@contextlib.contextmanager
+def _global_hooks_removed() -> Iterator[None]:
+    """Global hooks reach every module in the process: none outlives its example."""
+    _STRAYS.clear()
+    try:
+        yield
+    finally:
+        for handle in _GLOBALS:
+            handle.remove()
+        _GLOBALS.clear()

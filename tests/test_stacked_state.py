@@ -375,3 +375,146 @@ def test_members_the_engine_cannot_stack_are_declined_with_the_reason(
 ) -> None:
     fan = asyncrpc.Fanout(members(mlp()), engine="vmap")  # type: ignore[operator]
     assert reason in fan.declined["vmap"], fan.declined
+
+
+def _write_shared(members: list[torch.nn.Module], value: float) -> None:
+    with torch.no_grad():  # another process: a Hogwild learner writing the shared weights
+        for m in members:
+            for p in m.parameters():
+                p.fill_(value)
+
+
+def _learner(members: list[torch.nn.Module], value: float) -> None:
+    proc = torch.multiprocessing.get_context("fork").Process(
+        target=_write_shared, args=(members, value)
+    )
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+
+
+def test_members_in_shared_memory_are_declined_and_see_another_processs_writes() -> None:
+    members = _members()
+    for m in members:
+        m.share_memory()
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(4, 8)
+    for _ in range(2):
+        with torch.no_grad():
+            fan(x)
+    assert "shared memory" in fan.declined["vmap"], fan.declined
+    assert all(p.is_shared() for m in members for p in m.parameters())  # left where they are
+    _learner(members, 0.5)
+    with torch.no_grad():
+        got = fan(x)
+    for out in got:  # every weight and bias 0.5: 0.5 * (16 * 0.5 * (x.sum() * 0.5 ...))
+        torch.testing.assert_close(out, members[0](x).detach())
+    assert torch.all(members[2][0].weight == 0.5)
+
+
+def test_members_shared_after_stacking_stay_in_the_shared_stack() -> None:
+    members = _members()
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(4, 8)
+    _same(fan, members, x)
+    for m in members:
+        m.share_memory()  # moves the stack itself into shared memory: the rows follow
+    _learner(members, 0.25)
+    _same(fan, members, x)
+    assert torch.all(members[1][2].weight == 0.25)
+    fan.close()  # another process may hold the stack: the rows stay in it
+    assert all(p.is_shared() for m in members for p in m.parameters())
+
+
+def _critic_step(fan: asyncrpc.Fanout, members: list[torch.nn.Module], x: torch.Tensor) -> None:
+    q = fan(x)
+    optimizer = torch.optim.SGD([p for m in members for p in m.parameters()], lr=0.1)
+    optimizer.zero_grad()
+    sum(out.sum() for out in q).backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("engine", ["vmap", "serial"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.0),
+        lambda m: [p.mul_(0.5) for p in m.parameters()],
+        lambda m: m[2].weight.add_(1.0),
+    ],
+    ids=["sgd-step", "mul_", "add_"],
+)
+def test_a_change_in_place_before_backward_raises_torchs_own_error(
+    engine: str, change: object
+) -> None:
+    members = _members()
+    fan = asyncrpc.Fanout(members, engine=engine)  # type: ignore[arg-type]
+    x = torch.rand(4, 8, requires_grad=True)
+    _critic_step(fan, members, x)  # the first call: the members one by one
+    q = fan(x)  # stacked on "vmap"
+    with torch.no_grad():
+        made = change(members[1])  # type: ignore[operator]
+        if isinstance(made, torch.optim.Optimizer):
+            for p in members[1].parameters():
+                p.grad = torch.ones_like(p)
+            made.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        sum(out.sum() for out in q).backward()
+    assert "vmap" not in fan.declined
+
+
+def test_a_change_through_data_before_backward_is_used_without_error_as_eagerly() -> None:
+    members, twins = _members(), _members()
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(4, 8, requires_grad=True)
+    _critic_step(fan, members, x)
+    _critic_step(asyncrpc.Fanout(twins, engine="serial"), twins, x)
+    q, want = fan(x), [t(x) for t in twins]
+    for m in (*members, *twins):
+        m[2].weight.data.mul_(2)  # `.data`: autograd does not count it
+    sum(out.sum() for out in q).backward()
+    sum(out.sum() for out in want).backward()
+    for m, t in zip(members, twins, strict=True):
+        torch.testing.assert_close(m[0].weight.grad, t[0].weight.grad)
+
+
+@pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize("engine", ["vmap", "auto", "serial"])
+def test_an_output_changed_in_place_works_on_every_call(engine: str) -> None:
+    members, twins = _members(), _members()
+    fan = asyncrpc.Fanout(members, engine=engine)  # type: ignore[arg-type]
+    x = torch.rand(4, 8) - 0.5
+    for _ in range(12):  # auto: every plan it times, and the one it picks
+        for m in (*members, *twins):
+            m.zero_grad()
+        q, want = fan(x), [t(x) for t in twins]
+        for out in (*q, *want):
+            out.masked_fill_(out > 0, -1e4)  # an illegal action's Q
+        sum(out.sum() for out in q).backward()
+        sum(out.sum() for out in want).backward()
+        for a, b in zip(q, want, strict=True):
+            torch.testing.assert_close(a, b)
+        for m, t in zip(members, twins, strict=True):
+            torch.testing.assert_close(m[0].weight.grad, t[0].weight.grad)
+
+
+def _saved(obj: object) -> int:
+    return len(_bytes(obj))
+
+
+def test_a_member_saves_and_copies_its_own_rows_under_a_full_and_a_subset_fanout() -> None:
+    critics = _members(10, Counter)  # a buffer too: plain tensors copy their whole storage
+    full, subset = asyncrpc.Fanout(critics, engine="vmap"), asyncrpc.Fanout(critics[:2])
+    x = torch.rand(4, 8)
+    for _ in range(14):  # REDQ: every critic, then a subset, in turn
+        with torch.no_grad():
+            full(x)
+            subset(x)
+    plain = _saved(Counter().state_dict())
+    for member in (critics[0], critics[1], critics[5]):
+        assert abs(_saved(member.state_dict()) - plain) < 2048
+        copied = copy.deepcopy(member)
+        sizes = [t.untyped_storage().nbytes() for t in copied.state_dict().values()]
+        assert sizes == [t.nbytes for t in copied.state_dict().values()]
+        torch.testing.assert_close(copied(x), member(x))
+    assert "vmap" not in full.declined

@@ -8,6 +8,7 @@ import pathlib
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -89,6 +90,45 @@ class Model:
             for _ in range(n):
                 state = self.net(torch.ones(1, 4), state)
                 yield state
+
+
+def in_place(n: int, boxed: bool) -> Iterator[Any]:
+    """One tensor updated in place and yielded after each update (an RNN state, a buffer)."""
+    state = torch.zeros(3)
+    for step in range(1, n + 1):
+        state.fill_(step)
+        yield {"step": step, "obs": state} if boxed else state
+
+
+async def in_place_async(n: int, boxed: bool) -> AsyncIterator[Any]:
+    state = torch.zeros(3)
+    for step in range(1, n + 1):
+        state.fill_(step)
+        yield {"step": step, "obs": state} if boxed else state
+
+
+def views(n: int) -> Iterator[dict[str, torch.Tensor]]:
+    """A buffer and views of it (one sharing its storage, one small view of a big one)."""
+    buf, big = torch.zeros(2, 3), torch.zeros(4096)
+    for step in range(n):
+        buf.fill_(step)
+        big.fill_(step)
+        yield {"buf": buf, "row": buf[1], "col": buf.t()[2], "tail": big[-3:]}
+
+
+def learnt(n: int) -> Iterator[Any]:
+    """A parameter that requires grad, and a sparse tensor, updated in place under no_grad."""
+    weight, sparse = torch.zeros(3, requires_grad=True), torch.eye(3).to_sparse()
+    for step in range(1, n + 1):
+        with torch.no_grad():
+            weight.fill_(step)
+            sparse.values().fill_(step)
+            yield {"weight": weight, "sparse": sparse}
+
+
+def view_at(step: int) -> dict[str, torch.Tensor]:
+    """The item `views` yields at `step`, returned by a call."""
+    return list(views(step + 1))[-1]
 
 
 def test_a_stream_is_consumed_in_order(world: asyncrpc.Context) -> None:
@@ -216,3 +256,39 @@ def test_streams_left_open_are_closed_when_the_world_ends(tmp_path: pathlib.Path
     assert "worker0 holds 2 open streams" in done.stdout, done.stdout
     closed = sorted(marker.read_text().splitlines())
     assert closed == ["async generator closed on worker0", "def generator closed on worker0"]
+
+
+@pytest.mark.parametrize("func", [in_place, in_place_async])
+def test_each_item_arrives_as_it_was_at_its_yield(world: asyncrpc.Context, func: Any) -> None:
+    got, expected = {}, {}
+    for window in (1, 4, _stream.DEFAULT_WINDOW):
+        tensors = asyncrpc.stream("worker1", func, args=(8, False), window=window)
+        got["alone", window] = [t.tolist() for t in tensors]
+        expected["alone", window] = [[float(i)] * 3 for i in range(1, 9)]
+        boxed = asyncrpc.stream("worker2", func, args=(8, True), window=window)
+        got["in a dict", window] = [(d["step"], d["obs"].tolist()) for d in boxed]
+        expected["in a dict", window] = [(i, [float(i)] * 3) for i in range(1, 9)]
+    assert got == expected
+
+
+def test_an_items_views_arrive_as_a_call_returns_them(world: asyncrpc.Context) -> None:
+    def shape(item: dict[str, torch.Tensor]) -> dict[str, object]:
+        return {
+            k: (t.tolist(), t.stride(), t.storage_offset(), t.untyped_storage().nbytes())
+            for k, t in item.items()
+        }
+
+    for step, item in enumerate(asyncrpc.stream("worker1", views, args=(3,), window=3)):
+        returned = asyncrpc.rpc_sync("worker1", view_at, args=(step,))
+        assert shape(item) == shape(returned)  # torch's rule: the small view alone travels
+        assert item["tail"].tolist() == [float(step)] * 3
+        for got in (item, returned):  # the row and column are views of the buffer still
+            assert got["row"].untyped_storage().data_ptr() == got["buf"].data_ptr()
+
+
+def test_tensors_outside_the_exact_copy_arrive_cloned_as_yielded(world: asyncrpc.Context) -> None:
+    got = [
+        (d["weight"].tolist(), d["weight"].requires_grad, d["sparse"].to_dense().diag().tolist())
+        for d in asyncrpc.stream("worker1", learnt, args=(4,), window=4)
+    ]
+    assert got == [([float(i)] * 3, True, [float(i)] * 3) for i in range(1, 5)]

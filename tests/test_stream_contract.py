@@ -3,7 +3,8 @@ name the generator, close() wakes a waiting reader, a generator's finally sees i
 
 A hypothesis state machine opens streams from real workers and breaks, closes,
 reads, fails and sends unpicklable items at random; every stream must give
-the items in order, end as its generator ended, and leave no generator open.
+the items in order, each as it was at its yield (its tensor, updated in place
+after the yield, too), end as its generator ended, and leave no generator open.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
@@ -38,13 +40,24 @@ def open_producers() -> int:
     return _stream.open_producers()
 
 
-def numbers(tag: str, n: int, bad_at: int = -1, fail_at: int = -1) -> Iterator[Any]:
-    """0..n-1; an unpicklable item at `bad_at`, a KeyError at `fail_at`."""
+def numbers(
+    tag: str, n: int, bad_at: int = -1, fail_at: int = -1, shape: str = "int"
+) -> Iterator[Any]:
+    """0..n-1; an unpicklable item at `bad_at`, a KeyError at `fail_at`.
+
+    `shape` "tensor" yields i as one tensor filled with it, "dict" as {"step": i,
+    "obs": that tensor}: the same tensor each time, updated in place after its yield.
+    """
+    state = torch.zeros(3)
     try:
         for i in range(n):
             if i == fail_at:
                 raise KeyError(f"{tag} failed at {i}")
-            yield threading.Lock() if i == bad_at else i
+            if i == bad_at:
+                yield threading.Lock()
+                continue
+            state.fill_(i)
+            yield {"int": i, "tensor": state, "dict": {"step": i, "obs": state}}[shape]
     finally:
         with _lock:
             _closed[tag] = _closed.get(tag, 0) + 1
@@ -132,6 +145,18 @@ def test_close_from_another_thread_wakes_a_blocked_reader(world: asyncrpc.Contex
     assert outcome == ["ended"] and time.monotonic() - started < 2.0
 
 
+def _as_yielded(item: Any) -> Any:
+    """The number an item of `numbers` stands for, checked whole: every element of its
+    tensor (and its dict's step) holds the value it had at its yield."""
+    if isinstance(item, dict):
+        assert _as_yielded(item["obs"]) == item["step"], item
+        return item["step"]
+    if isinstance(item, torch.Tensor):
+        assert item.tolist() == [item[0].item()] * 3, item
+        return int(item[0].item())
+    return item
+
+
 class StreamRace(RuleBasedStateMachine):
     """Random streams, reads, breaks, closes and failures; each keeps its promises."""
 
@@ -144,11 +169,13 @@ class StreamRace(RuleBasedStateMachine):
         window=st.integers(1, 8),
         trouble=st.sampled_from(["none", "none", "bad", "fail"]),
         at=st.integers(0, 40),
+        shape=st.sampled_from(["int", "tensor", "dict"]),
     )
-    def open(self, n: int, window: int, trouble: str, at: int) -> None:
+    def open(self, n: int, window: int, trouble: str, at: int, shape: str) -> None:
         tag = f"race-{next(_tags)}"  # unique across examples: id(self) is reused
         bad, fail = (at if trouble == "bad" else -1), (at if trouble == "fail" else -1)
-        s = asyncrpc.stream("worker2", numbers, args=(tag, n, bad, fail), window=window)
+        args = (tag, n, bad, fail, shape)
+        s = asyncrpc.stream("worker2", numbers, args=args, window=window)
         self.streams.append(
             {"s": s, "tag": tag, "n": n, "bad": bad, "fail": fail, "next": 0, "done": False}
         )
@@ -198,7 +225,7 @@ class StreamRace(RuleBasedStateMachine):
             assert expected == entry["fail"] == min(ends), entry
             entry["done"] = True
             return False
-        assert item == expected, (item, entry)
+        assert _as_yielded(item) == expected, (item, entry)
         entry["next"] += 1
         return True
 

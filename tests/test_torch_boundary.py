@@ -194,6 +194,36 @@ def test_profiling_is_torchs_process_wide_profiler_flag() -> None:
     assert not _torch.profiling()
 
 
+def test_hook_tables_are_torchs_for_modules_tensors_and_every_module() -> None:
+    layer = torch.nn.Linear(2, 2)
+    assert not any(_torch.hook_tables(layer).values()) and not any(
+        map(len, _torch.call_hook_tables(layer))
+    )
+    handles = [
+        layer.register_forward_hook(lambda m, a, out: None),
+        layer.register_forward_pre_hook(lambda m, a: None),
+        layer.register_full_backward_hook(lambda m, gin, gout: None),
+        layer.register_full_backward_pre_hook(lambda m, gout: None),
+        layer.register_state_dict_post_hook(lambda m, sd, prefix, meta: None),  # type: ignore[no-untyped-call]
+    ]
+    assert list(map(len, _torch.call_hook_tables(layer))) == [1, 1, 1, 1]
+    assert sum(map(len, _torch.hook_tables(layer).values())) >= 5
+    tables = list(_torch.tensor_tables(layer))
+    assert not _torch.any_tensor_hooks(tables) and not _torch.tensor_hooks(layer.weight)
+    handles.append(layer.bias.register_post_accumulate_grad_hook(lambda p: None))
+    assert _torch.any_tensor_hooks(tables) and _torch.tensor_hooks(layer.bias)
+    handles.append(
+        torch.nn.modules.module.register_module_full_backward_pre_hook(lambda m, g: None)
+    )
+    assert sum(map(len, _torch.global_call_hook_tables())) == 1
+    for handle in handles:
+        handle.remove()
+    assert not any(map(len, _torch.call_hook_tables(layer)))
+    assert not _torch.any_tensor_hooks(tables) and not any(
+        map(len, _torch.global_call_hook_tables())
+    )
+
+
 def test_options_store_profiler_and_rendezvous_registry() -> None:
     options = _torch.backend_options(4, 10.0, "env://", ["uv"], ["basic"])
     assert options.num_worker_threads == 4
@@ -296,3 +326,24 @@ def test_the_static_rendezvous_keeps_its_store_where_we_put_it() -> None:
     info = handler.next_rendezvous()
     assert made == [("127.0.0.1", 0, 5.0)] and handler._store is not None
     assert info.rank == 0 and info.world_size == 1 and handler.get_backend() == "asyncrpc"
+
+
+def test_share_version_links_a_tensor_to_a_row_keeping_what_it_is() -> None:
+    layer = torch.nn.Linear(3, 2)
+    weight = layer.weight
+    weight.grad = torch.ones(2, 3)
+    weight.tag = "mine"  # type: ignore[attr-defined]
+    stack = torch.zeros(4, 2, 3)
+    assert _torch.share_version(weight, stack[1])
+    assert layer.weight is weight and isinstance(weight, torch.nn.Parameter)
+    assert weight.requires_grad and weight.tag == "mine"  # type: ignore[attr-defined]
+    assert torch.equal(weight.grad, torch.ones(2, 3))
+    assert weight.data_ptr() == stack[1].data_ptr() and _torch.impl_id(weight) != 0
+    before = stack._version
+    with torch.no_grad():
+        weight.add_(1)
+    assert stack._version > before and torch.all(stack[1] == 1)
+    out = layer(torch.rand(5, 3, requires_grad=True))  # a live graph holds the weight
+    assert not _torch.share_version(weight, stack[2])
+    del out
+    assert _torch.share_version(weight, stack[2])

@@ -51,6 +51,7 @@ __all__ = [
     "failed",
     "gather",
     "new_future",
+    "then_child",
     "wait_first",
     "with_timeout",
 ]
@@ -148,6 +149,59 @@ class Settle:
             self.reject(exc)
         else:
             self.resolve(value)
+
+
+class ThenChild(Settle):
+    """What `then` on an asyncrpc Future returns: torch's child copied in, unless cancelled.
+
+    torch completes the child `then` makes when its callback returns, and it
+    cannot be completed early; this Future can. Cancelling it fails it with
+    CancelledError at once and cancels its source; the callback still runs
+    when the source completes (with the cancelled source, if that cancel
+    took), and what it returns or raises is dropped.
+    """
+
+    def __init__(self, child: Future[Any], source: Future[Any]) -> None:
+        super().__init__()
+        _torch.combine(self.future, [source])  # guards; what its cancel reaches
+        _torch.add_callback(child, self.copy)  # the child is torch's: nobody else reads it
+
+    def cancel(self) -> bool:
+        """Fail with CancelledError (the source's, if this cancels it); False when done."""
+        if not self._claim():
+            return False
+        error = None
+        for source in _torch.parts_of(self.future):  # the one `then` was called on
+            if _torch.cancel(source):
+                error = _cancelled_by(source)
+        if error is None:
+            error = CancelledError(
+                "this Future, made with then() from another, was cancelled (its callback's "
+                "outcome is dropped)"
+            )
+        self.future.set_result(hold(error))
+        return True
+
+
+def _cancelled_by(source: Future[Any]) -> CancelledError | None:
+    """The CancelledError a cancelled `source` holds (it names the call), or None."""
+    try:
+        _torch.outcome(source)  # raises a carried failure (its unwrap step)
+    except CancelledError as cancelled:
+        # A new one: the raised one's traceback reaches, through its frames' callers,
+        # the Future being cancelled, which would then hold itself for good.
+        return CancelledError(str(cancelled), cancelled.name)
+    except BaseException:
+        return None
+    return None
+
+
+def then_child(child: Future[Any], source: Future[Any]) -> Future[Any]:
+    """The Future `source.then(...)` hands out for an asyncrpc `source` (see ThenChild)."""
+    return ThenChild(child, source).future
+
+
+_torch.on_then(then_child)
 
 
 def _futures(verb: str, items: Iterable[object]) -> list[Future[Any]]:

@@ -10,6 +10,9 @@ through the side channel (no RPC thread needed) and logs, on the
     examples/hang.py:28 in g (waits on worker0: h()); cycle: worker1 g() ->
     worker0 (queued: all 2 RPC threads busy) -> worker0 f() -> back to worker1 g()
 
+("waiting: ..." in place of "cycle: ..." for a cycle that ends once a busy
+RPC thread in it is free: see `_waits`.)
+
 The reporter is one thread, started at the first report and ended with the
 world; reports wait in its queue (at most `QUEUE_MAX`, later ones dropped).
 """
@@ -134,6 +137,7 @@ def _describe(worker: str, label: object, key: int, seconds: float, names: tuple
     callee = next((r for r in reports if r["name"] == worker), None)
     where = _where(callee, key, worker)
     cycles = [_waits.describe(c) for c in _waits.cycles(reports)]
+    cycles += [_waits.describe_wait(w) for w in _waits.waits(reports)]
     return f"{head}: {where}" + (f"; {'; '.join(cycles)}" if cycles else "")
 
 

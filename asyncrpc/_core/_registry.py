@@ -13,12 +13,18 @@ A file whose process has died (or is a zombie), or whose pid now belongs to
 another process (pids are reused: the file records when its process
 started), is stale: listing removes it.
 The folder is the user's own (mode 0700); files are written whole, then
-renamed into place.
+renamed into place. The file only helps the commands find the world, so it
+never stops one: where the runtime folder cannot be written (an
+`XDG_RUNTIME_DIR` left from another user after `su`), the worker writes to
+the next folder, and where none can be, it runs unregistered, saying so once
+(one WARNING line per process). The commands look in every folder (in the
+temporary one, with a runtime folder, for the workers that wanted that one).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import socket
@@ -26,22 +32,51 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["folder", "process_started", "register", "unregister", "worlds"]
+__all__ = ["folder", "folders", "process_started", "register", "unregister", "worlds"]
+
+_logger = logging.getLogger("asyncrpc")
+_warned = [False]  # this process has said it runs unregistered
+
+
+def folders() -> list[pathlib.Path]:
+    """Where registrations go, first choice first: the runtime folder, then the temporary one."""
+    found = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        found.append(pathlib.Path(runtime) / "asyncrpc")
+    temporary = os.environ.get("TMPDIR")  # read each time: tempfile keeps its first answer
+    if not (temporary and os.path.isdir(temporary)):
+        temporary = tempfile.gettempdir()
+    found.append(pathlib.Path(temporary) / f"asyncrpc-{os.getuid()}")
+    return found
 
 
 def folder() -> pathlib.Path:
-    """This user's folder of world registrations (made on first use)."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        path = pathlib.Path(runtime) / "asyncrpc"
-    else:
-        path = pathlib.Path(tempfile.gettempdir()) / f"asyncrpc-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
+    """This user's first folder of world registrations that can be written (made on first use).
+
+    Raises `OSError` when none can be.
+    """
+    error: OSError | None = None
+    for path in folders():
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            error = exc
+            continue
+        if os.access(path, os.W_OK | os.X_OK):
+            return path
+        error = PermissionError(f"{path} cannot be written")
+    assert error is not None  # folders() always names one
+    raise error
 
 
-def register(address: str, prefix: str, rank: int, name: str, names: tuple[str, ...]) -> str:
-    """Record this worker of the world at `address`; returns the file to remove at its end."""
+def register(
+    address: str, prefix: str, rank: int, name: str, names: tuple[str, ...]
+) -> str | None:
+    """Record this worker of the world at `address`; returns the file to remove at its end.
+
+    None where no folder can be written: the world runs unregistered (said once).
+    """
     entry = {
         "address": address,
         "prefix": prefix,
@@ -52,12 +87,34 @@ def register(address: str, prefix: str, rank: int, name: str, names: tuple[str, 
         "host": socket.gethostname(),
         "started": time.time(),
         "process_started": process_started(os.getpid()),  # tells a reused pid apart
+        "runtime": os.environ.get("XDG_RUNTIME_DIR"),  # the folder it wanted (see `worlds`)
     }
-    path = folder() / f"{address.replace(':', '_')}_{rank}_{os.getpid()}.json"
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps(entry))
-    partial.replace(path)
-    return str(path)
+    tried = []
+    for place in folders():
+        try:
+            place.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path = place / f"{address.replace(':', '_')}_{rank}_{os.getpid()}.json"
+            partial = path.with_suffix(".tmp")
+            partial.write_text(json.dumps(entry))
+            partial.replace(path)
+        except OSError as exc:
+            tried.append(f"{place} ({exc.strerror or exc})")
+            continue
+        return str(path)
+    _unregistered(tried)
+    return None
+
+
+def _unregistered(tried: list[str]) -> None:
+    if _warned[0]:
+        return
+    _warned[0] = True
+    _logger.warning(
+        "this worker runs unregistered, so asyncrpc-dump and asyncrpc-top on this "
+        "machine cannot find its world: no folder for its registration can be written (tried "
+        "%s); set XDG_RUNTIME_DIR or TMPDIR to a folder of yours to have it found",
+        "; ".join(tried),
+    )
 
 
 def unregister(path: str) -> None:
@@ -69,19 +126,34 @@ def unregister(path: str) -> None:
 
 
 def worlds() -> dict[str, list[dict[str, Any]]]:
-    """Running worlds on this machine: address -> its workers' entries, stale ones removed."""
+    """Running worlds on this machine: address -> its workers' entries, stale ones removed.
+
+    With a runtime folder, the temporary one adds the workers that wanted the
+    same runtime folder and could not write there (after `su`); not others',
+    which another XDG_RUNTIME_DIR keeps apart (a second session, a test).
+    """
     found: dict[str, list[dict[str, Any]]] = {}
-    for path in sorted(folder().glob("*.json")):
-        try:
-            entry = json.loads(path.read_text())
-            pid = int(entry["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # being written, or not ours
-        if not _alive(pid) or process_started(pid) != entry.get("process_started"):
-            unregister(str(path))
-            continue
-        found.setdefault(str(entry["address"]), []).append(entry)
+    places = folders()
+    runtime = os.environ.get("XDG_RUNTIME_DIR") if len(places) > 1 else None
+    for place in places:
+        for path in _listed(place):
+            try:
+                entry = json.loads(path.read_text())
+                pid = int(entry["pid"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # being written, or not ours
+            if not _alive(pid) or process_started(pid) != entry.get("process_started"):
+                unregister(str(path))
+            elif runtime is None or place == places[0] or entry.get("runtime") == runtime:
+                found.setdefault(str(entry["address"]), []).append(entry)
     return found
+
+
+def _listed(place: pathlib.Path) -> list[pathlib.Path]:
+    try:
+        return sorted(place.glob("*.json"))
+    except OSError:  # not ours to read
+        return []
 
 
 def _alive(pid: int) -> bool:

@@ -16,7 +16,9 @@ At most `window` items are buffered or asked for at any time, and the
 generator runs only while a pull is open, so a fast producer cannot fill the
 consumer's memory. Every pull is a call through the one call path: checked,
 traced, cancellable, its failures named as every call's are. A generator
-that raises ends the stream with its error after the items before it.
+that raises ends the stream with its error after the items before it. Each
+item is captured at its `yield`, before the generator resumes (pickled, its
+tensors copied: _stream_items), so it arrives as it was there.
 """
 
 from __future__ import annotations
@@ -29,10 +31,9 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar, cast
 
-import torch
 from torch.futures import Future
 
-from . import _activity, _calls, _cancel, _torch, _world
+from . import _activity, _calls, _cancel, _stream_items, _torch, _world
 from ._errors import CancelledError, SerializationError
 from ._execution import start_coroutine
 from ._failures import Failure, capture, check_reply, hold, label_of
@@ -233,11 +234,8 @@ class Stream(Generic[T]):
         """The items, unpickled one by one: the first this worker cannot read ends them."""
         items = []
         for item in packed:
-            if type(item) is not _Packed:
-                items.append(item)
-                continue
             try:
-                items.append(_torch.deserialize(item.payload, item.tensors))
+                items.append(_stream_items.unpack(item))
             except Exception as exc:
                 self._read += len(items)
                 error = SerializationError(
@@ -460,27 +458,12 @@ async def _pump_async(producer: _Producer) -> None:
     producer.finish(failure)
 
 
-class _Packed:
-    """An item pickled on its own (tensors aside): one the consumer cannot unpickle fails
-    alone, not the message of items it travels with."""
-
-    __slots__ = ("payload", "tensors")
-
-    def __init__(self, payload: bytes, tensors: list[Any]) -> None:
-        self.payload, self.tensors = payload, tensors
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_Packed, (self.payload, self.tensors))
-
-
 def _sendable(item: Any, producer: _Producer) -> Any:
-    """`item`, once it is known to pickle, packed unless a plain tensor: items travel
-    together, and one that cannot would fail the whole message, the items before it too."""
-    if type(item) is torch.Tensor:
-        producer.made += 1
-        return item  # any worker can read a tensor: it travels as it is, uncopied
+    """`item` as it is at its `yield`, captured before the generator resumes (its tensors
+    copied), and known to pickle: items travel together, and one that cannot would fail
+    the whole message, the items before it too."""
     try:
-        packed = _Packed(*_torch.serialize(item))
+        packed = _stream_items.pack(item)
     except Exception as exc:
         producer.unsendable = True
         raise SerializationError(

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import itertools
 import os
 import re
 import sys
@@ -61,9 +62,11 @@ __all__ = [
     "agent_running",
     "agent_store",
     "agent_threads",
+    "any_tensor_hooks",
     "async_target",
     "backend_options",
     "bound_static_rendezvous",
+    "call_hook_tables",
     "cancel",
     "check_guard",
     "collect_for_wait_all",
@@ -71,9 +74,11 @@ __all__ = [
     "current_agent",
     "deserialize",
     "failure_kind",
+    "global_call_hook_tables",
     "global_forward_hooks",
     "guard_reads",
-    "has_forward_hooks",
+    "hook_tables",
+    "impl_id",
     "install",
     "install_await",
     "interop_pool_started",
@@ -82,6 +87,7 @@ __all__ = [
     "is_rpc_thread",
     "mark_async",
     "module_tables",
+    "on_then",
     "outcome",
     "parts_of",
     "profiler_config",
@@ -100,9 +106,11 @@ __all__ = [
     "serialize",
     "set_canceller",
     "set_unwrap",
+    "share_version",
     "storage_shared",
     "store_address",
     "tag_future",
+    "tensor_hooks",
     "tensor_tables",
     "uninstall",
     "watch_agent_failures",
@@ -573,11 +581,24 @@ def _held(add: Callable[..., Any], chained: bool = False) -> Callable[..., Any]:
             callback = functools.partial(_carry_cancel, callback)
         child = add(self, callback)
         if ours and _hooks is not None:
-            combine(child, [self])  # cancelling what `then` made cancels its source
             child._set_unwrap_func(_hooks.check_value)
+            if _then_child is not None:  # torch completes its child: hand out one a cancel can
+                return _then_child(child, self)
+            combine(child, [self])  # cancelling what `then` made cancels its source
         return child
 
     return add_callback
+
+
+# What `then` on an asyncrpc Future returns in place of torch's child (which a cancel
+# could not complete early): `make(child, source)`, registered by `_futures`.
+_then_child: Callable[[Any, Any], Any] | None = None
+
+
+def on_then(make: Callable[[Any, Any], Any] | None) -> None:
+    """`then` on an asyncrpc Future returns `make(torch's child, its source)` (None: the child)."""
+    global _then_child
+    _then_child = make
 
 
 def _carry_cancel(callback: Callable[[Any], Any], fut: Any) -> Any:
@@ -606,7 +627,9 @@ def _early_collect_all(collect: Callable[[list[Any]], Any], hooks: Hooks) -> Cal
         early: Any = torch.futures.Future()
         early._set_unwrap_func(hooks.check_value)
         combine(early, futures)
-        claim = threading.Lock()
+        claim = threading.Lock()  # taken once: by the first failure, all values, or a cancel
+        cancel_early = functools.partial(_cancel_collected, weakref.ref(early), claim, hooks)
+        set_canceller(early, cancel_early)
 
         def settle(value: object) -> None:
             if claim.acquire(blocking=False):
@@ -635,6 +658,19 @@ def _early_collect_all(collect: Callable[[list[Any]], Any], hooks: Hooks) -> Cal
         return early
 
     return collect_all
+
+
+def _cancel_collected(early: weakref.ref[Any], claim: threading.Lock, hooks: Hooks) -> bool:
+    # Cancelling collect_all's Future: failed with CancelledError at once, then its inputs.
+    fut = early()
+    if fut is None or not claim.acquire(blocking=False):
+        return False
+    inputs = parts_of(fut)
+    error = CancelledError(f"this Future, collecting {len(inputs)} others, was cancelled")
+    fut.set_result(hooks.carry(error))
+    for part in inputs:
+        cancel(part)
+    return True
 
 
 def _checked_to_here(to_here: Callable[..., Any], hooks: Hooks) -> Callable[..., Any]:
@@ -809,6 +845,8 @@ def watch_agent_failures(
             here = {w.global_rank for w in workers}
             size = workers[0].world_size if workers else 0
             report(store, attempt, failed, [r for r in range(size) if r not in here])
+        if result.is_failed():
+            _root_cause_first(result.failures)
         return result
 
     monitor._asyncrpc = True  # type: ignore[attr-defined]
@@ -819,6 +857,21 @@ def watch_agent_failures(
             LocalElasticAgent._monitor_workers = original  # type: ignore[method-assign]
 
     return stop
+
+
+def _root_cause_first(failures: dict[int, Any]) -> None:
+    """Order torchrun's failures (rank -> ProcessFailure) so its "Root Cause" is the real one.
+
+    torch names the failure with the earliest timestamp, in whole seconds,
+    and the first in order on a tie: the lowest rank, often one stopped
+    because another failed. A worker whose `main` raised first wrote an error
+    file (`_supervisor`); those go first, earliest first, the rest keep their order.
+    """
+    recorded = {r: f.timestamp for r, f in failures.items() if os.path.isfile(f.error_file)}
+    if recorded:
+        ordered = sorted(failures.items(), key=lambda item: recorded.get(item[0], float("inf")))
+        failures.clear()
+        failures.update(ordered)
 
 
 # ---- torch's failure texts ------------------------------------------------------------
@@ -900,16 +953,57 @@ def profiling() -> bool:
     )
 
 
-def has_forward_hooks(module: torch.nn.Module) -> bool:
-    """True when `module` itself has forward or forward-pre hooks."""
-    return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
 def global_forward_hooks() -> bool:
     """True while forward hooks for every module are registered (register_module_forward_hook)."""
     from torch.nn.modules import module as _module
 
     return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
+def hook_tables(module: torch.nn.Module) -> dict[str, dict[Any, Any]]:
+    """Every hook table `module` holds, by name (`_forward_hooks`, `_state_dict_hooks`, ...).
+
+    Read as every `_...hook...` dict in the module's `__dict__`, so a table a
+    later torch adds is found too.
+    """
+    return {
+        name: table
+        for name, table in vars(module).items()
+        if name.startswith("_") and "hook" in name and isinstance(table, dict)
+    }
+
+
+_CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def call_hook_tables(module: torch.nn.Module) -> list[dict[Any, Any]]:
+    """The hook tables torch reads when `module` is called (forward, backward; pre and post)."""
+    tables = vars(module)
+    return [tables[name] for name in _CALL_HOOKS]
+
+
+def global_call_hook_tables() -> list[dict[Any, Any]]:
+    """The tables of hooks for every module torch reads on each call (register_module_*_hook)."""
+    from torch.nn.modules import module as _module
+
+    return [getattr(_module, "_global" + name) for name in _CALL_HOOKS]
+
+
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def tensor_hooks(tensor: torch.Tensor) -> bool:
+    """True when `tensor` has hooks (register_hook, register_post_accumulate_grad_hook)."""
+    return any(getattr(tensor, name, None) for name in _TENSOR_HOOKS)
+
+
+def any_tensor_hooks(tables: Sequence[dict[str, Any]]) -> bool:
+    """True when a tensor in `tables` (name -> tensor or None) has hooks; a C-level scan."""
+    for name in _TENSOR_HOOKS:
+        tensors = itertools.chain.from_iterable(map(dict.values, tables))
+        if any(map(getattr, tensors, itertools.repeat(name), itertools.repeat(None))):
+            return True
+    return False
 
 
 def storage_shared(tensor: torch.Tensor) -> bool:
@@ -920,6 +1014,41 @@ def storage_shared(tensor: torch.Tensor) -> bool:
     """
     storage = tensor.untyped_storage()
     return int(torch._C._storage_Use_Count(storage._cdata)) > 2
+
+
+def share_version(tensor: torch.Tensor, row: torch.Tensor) -> bool:
+    """Make `tensor` (the same Python object) a view of `row` that shares `row`'s version counter.
+
+    `tensor.data = row` shares the memory only; the counter stays the tensor's,
+    so autograd would not see in-place changes made through the tensor. This
+    swaps in a tensor made from `row` (`torch.utils.swap_tensors`), keeping the
+    class, attributes, `requires_grad` and `.grad`. False, changing nothing,
+    where that cannot be done safely: something else holds the tensor's C++
+    object (a live autograd graph that reads it; torch's private `_use_count`),
+    or it has a weak reference, hooks, a history, or is an inference tensor.
+    """
+    if (
+        not tensor.is_leaf
+        or tensor.is_inference()
+        or int(tensor._use_count()) != 1  # type: ignore[attr-defined]
+        or weakref.getweakrefs(tensor)
+        or tensor_hooks(tensor)
+    ):
+        return False
+    cls = type(tensor)
+    if cls is torch.Tensor:
+        twin = row.detach().requires_grad_(tensor.requires_grad)
+    else:
+        twin = torch.Tensor._make_subclass(cls, row, tensor.requires_grad)
+    twin.grad = tensor.grad
+    twin.__dict__.update(tensor.__dict__)
+    torch.utils.swap_tensors(tensor, twin)  # type: ignore[no-untyped-call]
+    return True
+
+
+def impl_id(tensor: torch.Tensor) -> int:
+    """The address of the C++ object behind `tensor` (torch's private `_cdata`)."""
+    return int(tensor._cdata)
 
 
 def interop_pool_started() -> bool:

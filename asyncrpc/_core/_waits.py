@@ -12,10 +12,27 @@ or more while every RPC thread of the caller is busy, waits on those::
          ^                                              worker0's 2 threads are busy
          └──────────────── holds one of them ───────────┘          => cycle
 
-`cycles(reports)` returns each cycle once, as the list of (worker, call)
-steps in order (cycles made of calls of the same functions on the same
+A cycle is certain (it never ends by itself) only when every wait in it can
+end only by the end of a wait that is itself certain never to end. A call
+waits until each call it made has ended, so one of them that never ends is
+enough; a queue for RPC threads empties once any one of the busy threads is
+free, so it never does only when every call holding one never ends. `stuck`
+finds the calls that never end as torch's pool would: it lets end, again and
+again, each call that waits on nothing, and each queue with a thread free,
+until none is left to end; what remains is stuck. A cycle through a queue on
+threads one of which is held by a call that can still end (`slow()` sleeping
+there) is a wait, not a cycle: it ends with that call::
+
+    worker0 f ──> worker1 g ──> worker0 (queued) ──> {worker0 f, worker0 slow()}
+                                                       slow() waits on nothing: it
+                                                       ends, h() starts => "waiting"
+
+`cycles(reports)` returns each certain cycle once, as the list of (worker,
+call) steps in order (cycles made of calls of the same functions on the same
 workers count once); `describe(cycle)` writes it as one line with the word
-"cycle".
+"cycle". `waits(reports)` returns the other cycles of the graph, each with
+the calls whose end ends it, and `describe_wait` writes one as a "waiting:"
+line.
 """
 
 from __future__ import annotations
@@ -23,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Step", "cycles", "describe"]
+__all__ = ["Step", "cycles", "describe", "describe_wait", "stuck", "waits"]
 
 Step = tuple[str, str]  # (worker, what it runs, or "(queued)")
 _Node = tuple[str, int]  # (worker, call key); -1: calls queued there, -2: replies queued
@@ -31,8 +48,77 @@ _REPLY_AGE_S = 1.0  # younger, a call the callee no longer runs may still be on 
 
 
 def cycles(reports: Sequence[dict[str, Any]]) -> list[list[Step]]:
-    """Every cycle of waits in these dumps, each once, from its earliest-sorting step."""
+    """Every certain cycle of waits in these dumps, each once, from its earliest-sorting step."""
     edges, labels = _graph(reports)
+    stalled = _stalled(edges)
+    inside = {node: {n for n in nxt if n in stalled} for node, nxt in edges.items()}
+    return _named(_all_cycles({n: e for n, e in inside.items() if n in stalled}), labels)
+
+
+def waits(reports: Sequence[dict[str, Any]]) -> list[tuple[list[Step], list[Step]]]:
+    """Every cycle of waits that can still end: (its steps, the calls whose end frees it)."""
+    edges, labels = _graph(reports)
+    stalled = _stalled(edges)
+    certain = cycles(reports)
+    found: list[tuple[list[Step], list[Step]]] = []
+    for cycle in _all_cycles(edges):
+        if all(node in stalled for node in cycle):
+            continue
+        steps = [(worker, labels[(worker, key)]) for worker, key in cycle]
+        frees = sorted(
+            {(n[0], labels.get(n, "?")) for q in cycle if q[1] < 0 for n in edges[q]
+             if n not in stalled and n not in cycle}
+        )  # fmt: skip
+        if steps not in certain and all(steps != seen for seen, _ in found):
+            found.append((steps, frees))
+    return found
+
+
+def stuck(reports: Sequence[dict[str, Any]]) -> set[tuple[str, int]]:
+    """(worker, key) of each call running that never ends (it waits on a cycle that never does)."""
+    stalled = _stalled(_graph(reports)[0])
+    return {node for node in stalled if node[1] >= 0}
+
+
+def describe(cycle: list[Step]) -> str:
+    """`cycle: worker0 f() -> worker1 g() -> worker0 (queued) -> back to worker0 f()`."""
+    steps = " -> ".join(f"{worker} {what}" for worker, what in cycle)
+    worker, what = cycle[0]
+    return f"cycle: {steps} -> back to {worker} {what}"
+
+
+def describe_wait(wait: tuple[list[Step], list[Step]]) -> str:
+    """`waiting: worker0 f() -> ... -> back to worker0 f(); it ends when worker0 slow() ends`."""
+    steps, frees = wait
+    line = "waiting:" + describe(steps).removeprefix("cycle:")
+    if not frees:
+        return line
+    ending = " or ".join(f"{worker} {what}" for worker, what in frees)
+    return f"{line} (not a deadlock: it ends when {ending} ends)"
+
+
+def _stalled(edges: dict[_Node, set[_Node]]) -> set[_Node]:
+    """The nodes that never end, by letting end whatever can, as the workers would.
+
+    A call ends once it waits on nothing left (each call it made has ended); a
+    queue (id < 0) moves once any thread it waits for is free. What cannot end
+    this way waits only on what cannot end: for ever.
+    """
+    nodes = set(edges) | {n for nxt in edges.values() for n in nxt}
+    left = set(nodes)
+    changed = True
+    while changed:
+        changed = False
+        for node in sorted(left):
+            nxt = edges.get(node, set())
+            blocked = bool(nxt) and nxt <= left if node[1] < 0 else bool(nxt & left)
+            if not blocked:
+                left.discard(node)
+                changed = True
+    return left
+
+
+def _all_cycles(edges: dict[_Node, set[_Node]]) -> list[list[_Node]]:
     found: list[list[_Node]] = []
     seen: set[tuple[_Node, ...]] = set()
     for start in sorted(edges):
@@ -41,19 +127,16 @@ def cycles(reports: Sequence[dict[str, Any]]) -> list[list[Step]]:
             if shape not in seen:
                 seen.add(shape)
                 found.append(list(shape))
+    return found
+
+
+def _named(found: list[list[_Node]], labels: dict[_Node, str]) -> list[list[Step]]:
     named: list[list[Step]] = []
     for cycle in found:  # two calls of f() waiting alike make one cycle as the user sees it
         steps = [(worker, labels[(worker, key)]) for worker, key in cycle]
         if steps not in named:
             named.append(steps)
     return named
-
-
-def describe(cycle: list[Step]) -> str:
-    """`cycle: worker0 f() -> worker1 g() -> worker0 (queued) -> back to worker0 f()`."""
-    steps = " -> ".join(f"{worker} {what}" for worker, what in cycle)
-    worker, what = cycle[0]
-    return f"cycle: {steps} -> back to {worker} {what}"
 
 
 def _graph(

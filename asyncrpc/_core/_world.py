@@ -4,7 +4,8 @@
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_WORLD_SIZE), meets its peers
 through `_rendezvous`, binds TensorPipe to the right interface and starts
 torch's RPC agent. `shutdown` stops it and puts back what `init` changed
-(environment variables, torch's intra-op thread count). `Context` is what a
+(environment variables, torch's intra-op thread count, which it sets only
+where OMP_NUM_THREADS does not give one). `Context` is what a
 worker knows of the world.
 
 A world started by torch's own `rpc.init_rpc` is adopted on first use:
@@ -359,8 +360,7 @@ def _start_agent(world: World, master_addr: str) -> None:
     ctx, settings = world.context, world.settings
     assert settings is not None and world.store is not None
     _bind_interface(world, master_addr, ctx.world_size, settings.interface)
-    world.intra_op_before = torch.get_num_threads()
-    _set_intra_op_threads(ctx.world_size, settings.intra_op_threads)
+    _set_intra_op_threads(world, settings.intra_op_threads)
     options = _torch.backend_options(
         settings.num_worker_threads,
         settings.rpc_timeout,
@@ -438,11 +438,21 @@ def _bind_interface(
     _set_env(world, "GLOO_SOCKET_IFNAME", chosen)
 
 
-def _set_intra_op_threads(world_size: int, wanted: int | None) -> None:
+def _set_intra_op_threads(world: World, wanted: int | None) -> None:
+    """Set torch's intra-op threads, unless the environment chose them.
+
+    First of: `intra_op_threads=`, ASYNCRPC_INTRA_OP_THREADS, OMP_NUM_THREADS
+    (set by the user or a launcher: torch read it when it started, and the
+    count is left alone), cores // local workers (at least 1).
+    """
     if wanted is None:
-        env = _from_env("ASYNCRPC_INTRA_OP_THREADS")
-        local = _from_env("LOCAL_WORLD_SIZE") or world_size
-        wanted = env or max(1, len(os.sched_getaffinity(0)) // max(1, local))
+        wanted = _from_env("ASYNCRPC_INTRA_OP_THREADS") or None
+    if wanted is None and os.environ.get("OMP_NUM_THREADS", "").strip():
+        return
+    if wanted is None:
+        local = _from_env("LOCAL_WORLD_SIZE") or world.context.world_size
+        wanted = max(1, len(os.sched_getaffinity(0)) // max(1, local))
+    world.intra_op_before = torch.get_num_threads()
     torch.set_num_threads(wanted)
 
 

@@ -1,21 +1,27 @@
-"""The members' plain attributes (a scale, a slope, `training`), read on every stacked call.
+"""What a stacked call reads besides tensors, read on every call: settings and hooks.
 
 A stacked call runs one module's code for every member: right only while all
-members' plain attributes are equal. Every call reads each submodule's plain
-attributes (C-level maps over itemgetters, about 0.1 us a submodule) and
-compares them with what the previous call read; only when something changed
-are the members compared with each other, and the engine's template (the
-code it runs, on the meta device) given member 0's values::
+members' settings (plain attributes: a scale, a slope, `training`) are equal
+and no hook would run. Every call first asks `CallHooks` (_allowlist) whether
+a call would run a hook (a member's, a global one, a tensor's under grad: a
+scan of dict lengths), then reads each submodule's settings (C-level maps
+over itemgetters, about 0.1 us a submodule) and compares them with what the
+previous call read; only when something changed are the members compared
+with each other, and the engine's template (the code it runs, on the meta
+device) given member 0's values::
 
-    call ── read every member's attributes ── as last call? ── yes ─> stacked
+    call ── a hook to run? ── yes ─> member by member
+             │ no
+             └─ read every member's settings ── as last call? ── yes ─> stacked
                                                │ no
-                                               └─ all members alike? ── yes ─> template
+                                               └─ all immutable, all alike? ── yes ─> template
                                                                      │        updated, stacked
                                                                      └─ no ──> member by member
 
-A plain attribute is one in a module's ``__dict__`` that is not a
-parameter, buffer, submodule or hook table (its name has no leading ``_``).
-A value mutated in place (a list appended to) reads as unchanged.
+A setting is an entry of a module's ``__dict__`` that is not nn.Module's
+bookkeeping (_allowlist.plain_attributes). Settings are immutable values
+(`decline` checked; one rebound to a list, a dict, ... runs member by
+member), so a change is always a rebinding, which `==` sees.
 """
 
 from __future__ import annotations
@@ -26,12 +32,9 @@ from typing import Any
 
 import torch
 
+from ._allowlist import CallHooks, immutable, plain_attributes
+
 __all__ = ["Attributes", "plain_attributes"]
-
-
-def plain_attributes(module: torch.nn.Module) -> dict[str, Any]:
-    """A module's own plain attributes, `training` included."""
-    return {k: v for k, v in vars(module).items() if not k.startswith("_")}
 
 
 class Attributes:
@@ -46,6 +49,7 @@ class Attributes:
         self.count = len(members)
         self._ignore = frozenset(ignore)  # attributes that may differ between members
         self._subs = [list(m.modules()) for m in members]
+        self._hooks = CallHooks(members)
         self._template = list(template.modules())
         self._seen: list[Any] | None = None
         self._uniform = False
@@ -68,7 +72,12 @@ class Attributes:
         self._every_dict = [vars(sub) for subs in self._subs for sub in subs]
 
     def alike(self) -> bool:
-        """True when every member's attributes are equal (the template then has them)."""
+        """True when no hook would run and every member's settings are equal and immutable
+        (the template then has them); else `difference` says why not."""
+        if self._hooks.present():
+            self.difference = self._hooks.reason()
+            self._seen = None  # read again once the hooks are gone
+            return False
         now = self._read()
         try:
             same = now is not None and now == self._seen
@@ -87,13 +96,25 @@ class Attributes:
 
     def _changed(self) -> bool:
         self._read_keys()
-        self.difference = self._compare()
+        self.difference = self._mutable() or self._compare()
         self._uniform = self.difference is None
         self._seen = self._read()
         if self._uniform:
             for sub, tsub in zip(self._subs[0], self._template, strict=True):
                 vars(tsub).update(plain_attributes(sub))
         return self._uniform
+
+    def _mutable(self) -> str | None:
+        for i, subs in enumerate(self._subs):
+            for sub in subs:
+                for key, value in plain_attributes(sub).items():
+                    if not immutable(value):
+                        where = _where(self._subs[i][0], sub)
+                        return (
+                            f"member {i}'s {where}{key} is a {type(value).__name__}, which can "
+                            "change in place unseen; rebind it to an immutable value"
+                        )
+        return None
 
     def _compare(self) -> str | None:
         first = [plain_attributes(sub) for sub in self._subs[0]]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._attributes import plain_attributes
+from ._allowlist import plain_attributes
 
 __all__ = ["Calls", "deterministic", "difference", "first_line", "leaves", "replay"]
 

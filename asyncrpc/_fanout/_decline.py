@@ -1,11 +1,13 @@
 """Which members the "vmap" engine can stack, and why not where it cannot.
 
-`decline(members)` is asked once, when a `Fanout` is made: one class and
-layout, no RNN kernels (vmap has no batching rule for them), no forward hooks
-(a stacked call would skip them), parameters to stack, equal plain attributes.
-What can change later (a tensor's memory, an attribute, a mode) is read on
-every call instead (_storage, _attributes). `chain_of` finds the Sequentials
-of Linear and element-wise layers that run as batched GEMMs.
+`decline(members)` is asked once, when a `Fanout` is made (and again when a
+member's layers are replaced): one class and layout, no RNN kernels (vmap has
+no batching rule for them), every submodule provably stackable (_allowlist:
+known layers or plain classes of the user's own, plain tensors, immutable
+settings, no hooks of any kind), parameters to stack, equal settings.
+What can change later (a tensor's memory, a setting, a mode, a hook added)
+is read on every call instead (_storage, _attributes). `chain_of` finds the
+Sequentials of Linear and element-wise layers that run as batched GEMMs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 
 from .._core import _torch
-from ._attributes import plain_attributes
+from ._allowlist import plain_attributes, unprovable
 
 __all__ = ["RNN_REASON", "Declined", "chain_of", "decline"]
 
@@ -92,11 +94,9 @@ def _check(members: Sequence[Any]) -> None:
             raise Declined("member 0 " + RNN_REASON.format(name=type(sub).__name__))
     for i, member in enumerate(members):
         for name, sub in member.named_modules():
-            if _torch.has_forward_hooks(sub):
-                where = f"layer {name!r}" if name else "module"
-                raise Declined(
-                    f"member {i}'s {where} has forward hooks; a stacked call skips them"
-                )
+            reason = unprovable(sub, f"member {i}'s " + (f"layer {name!r}" if name else "module"))
+            if reason is not None:
+                raise Declined(reason)
     if not dict(first.named_parameters()):
         raise Declined("the members have no parameters to stack")
     for i, member in enumerate(members[1:], start=1):
@@ -136,15 +136,11 @@ def _check_tensors(ours: dict[str, Any], theirs: dict[str, Any], where: str, i: 
 def _check_settings(sub: torch.nn.Module, other: torch.nn.Module, where: str, i: int) -> None:
     # Plain attributes are settings every member must share (a scale, a slope):
     # stacking runs member 0's code with every member's tensors. `training` may
-    # differ: it is read on every call, as every plain attribute is.
+    # differ: it is read on every call, as every plain attribute is. Each is
+    # immutable (unprovable checked), so `==` compares values.
     for key, value in plain_attributes(sub).items():
         if key == "training":
             continue
-        if isinstance(value, torch.Tensor):
-            raise Declined(
-                f"{where or 'the module'}.{key} is a tensor that is neither a parameter "
-                "nor a buffer, so it cannot be stacked; register it with register_buffer"
-            )
         try:
             equal = bool(value == vars(other).get(key, object()))
         except Exception:

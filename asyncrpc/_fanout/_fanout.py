@@ -16,7 +16,9 @@
 
 Budget: inter-op width x intra-op threads fits the intra-op threads this
 process had when the `Fanout` was made (asyncrpc gives each worker its share
-of the cores), so N members never oversubscribe the machine.
+of the cores), so N members never oversubscribe the machine. "auto" runs a
+call that draws random numbers serially, so the stream is the serial one
+(_randomness); a copy or pickle is a new `Fanout` over copied members (_copies).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,28 +35,19 @@ from torch.futures import Future
 
 from .._core import _futures, _torch
 from . import _exit
+from ._copies import copied_members, rows_of
 from ._decline import Declined, decline
+from ._forked import run_forked, script_driver
+from ._options import check_members, check_names, check_threads
 from ._pool import Pool
+from ._randomness import RandomGuard, Watch
 from ._stacked import Stacked
+from ._storage import Storage
 from ._tuner import Engine, FanoutPlan, Ticket, Tuner, candidate_plans
 
 _ENGINES = ("auto", "vmap", "threads", "fork", "serial")
+_Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
 _logger = logging.getLogger("asyncrpc")
-
-
-class _ForkDriver(torch.nn.Module):
-    """Forks every member on its own input from inside TorchScript, then waits."""
-
-    def __init__(self, members: Sequence[torch.nn.Module]) -> None:
-        super().__init__()
-        self.members = torch.nn.ModuleList(members)
-
-    def forward(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        futures = [
-            torch.jit.fork(member, inputs[i])  # type: ignore[no-untyped-call]
-            for i, member in enumerate(self.members)
-        ]
-        return [torch.jit.wait(future) for future in futures]  # type: ignore[no-untyped-call]
 
 
 class Fanout:
@@ -67,12 +61,15 @@ class Fanout:
     candidate `FanoutPlan` (serial on the whole intra-op budget; vmap when
     the members can be stacked; threads at each inter-op width; fork too when
     every member is a ScriptModule), alternating call by call, and every
-    later call uses the fastest (`plan`; None until then).
+    later call uses the fastest (`plan`; None until then). Calls that draw
+    random numbers run serially under ``"auto"``, so the same seed gives
+    the same draws as the members one by one, whichever plan it picked.
     `threads` fixes the inter-op width (and so the plan: nothing is timed);
     each lane gets ``budget // threads`` intra-op threads. `names` label the
     members in errors ("raised by <name>") and in traces (default
     ``"member i (Linear)"``). TorchScript's deprecation warnings stay hidden
-    unless ``show_warnings=True``.
+    unless ``show_warnings=True``. `copy.deepcopy` and `pickle` give a new
+    `Fanout` over copies of the members, with the same options.
 
     Example::
 
@@ -92,11 +89,12 @@ class Fanout:
         names: Sequence[str] | None = None,
         show_warnings: bool = False,
     ) -> None:
-        self.members = _check_members(members)
-        self.names = _check_names(names, self.members)
+        self.members = check_members(members)
+        self.names = check_names(names, self.members)
         if engine not in _ENGINES:
             raise ValueError(f"engine must be one of {_ENGINES}, got {engine!r}")
         self.engine: Engine = engine
+        self._options = (check_threads(threads), show_warnings)  # for copies
         self.budget = torch.get_num_threads()
         scripted = all(isinstance(m, torch.jit.ScriptModule) for m in self.members)
         self.declined: dict[str, str] = {}
@@ -109,17 +107,22 @@ class Fanout:
         plans = candidate_plans(
             engine,
             len(self.members),
-            _check_threads(threads),
+            self._options[0],
             self.budget,
             scripted,
             stackable=self._stacked is not None,
         )
         self._tuner = Tuner(plans)
+        self._serial_plan = FanoutPlan("serial", 1, self.budget)
+        # "auto" keeps the serial random stream: calls that draw run serially.
+        self._guard: RandomGuard | None = None
+        if engine == "auto" and any(plan.engine != "serial" for plan in plans):
+            self._guard = RandomGuard(self.members, self.names)
         self._pools: dict[FanoutPlan, Pool] = {}
         self._driver: torch.jit.ScriptModule | None = None
         self._lock = threading.Lock()
         if any(plan.engine == "fork" for plan in plans):
-            self._driver = _script_driver(self.members, show_warnings)
+            self._driver = script_driver(self.members, show_warnings)
         # Members may fork too (a scripted BiLSTM): settle torch's threads at exit.
         _exit.settle_at_exit()
 
@@ -169,7 +172,7 @@ class Fanout:
                 f"map needs one argument tuple per member ({len(self.members)}), got {got}; "
                 "write fan.map([(x0,), (x1,), ...])"
             )
-        calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        calls: _Calls = []
         for item in inputs:
             if not isinstance(item, tuple):
                 raise TypeError(
@@ -208,52 +211,111 @@ class Fanout:
         plan = self.plan if self.plan is not None else f"timing {len(self.plans)} plans"
         return f"Fanout({len(self.members)} members, engine={self.engine!r}, plan={plan})"
 
-    def _run(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Future[list[Any]]:
-        plan, ticket = self._tuner.begin()
+    def __deepcopy__(self, memo: dict[int, Any]) -> Fanout:
+        """A new `Fanout` over deep copies of the members, with the same options (_copies)."""
+        members = copied_members(self.members, rows_of(self.members, self._storage()), memo)
+        return _rebuild(members, self.engine, *self._options, self.names)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its members and options; unpickled, a new `Fanout` (_copies)."""
+        storage = self._storage()
+        members = self.members
+        if storage is not None:  # a row would pickle its whole stack
+            members = tuple(copied_members(members, rows_of(members, storage)))
+        return (_rebuild, (list(members), self.engine, *self._options, self.names))
+
+    def _storage(self) -> Storage | None:
+        stacked = self._stacked
+        return stacked.storage if stacked is not None else None
+
+    def _run(self, calls: _Calls) -> Future[list[Any]]:
+        watch = self._watch()
+        plan, ticket = self._tuner.begin(self._serial_plan if watch and watch.probe else None)
         try:
-            fut = self._run_plan(plan, calls)
+            if watch is not None and watch.probe:
+                fut = _settle(lambda: self._probe(watch, calls))
+            else:
+                fut = self._run_plan(plan, calls)
         except BaseException:
             if ticket is not None:
                 self._tuner.end(ticket, ok=False)
             raise
-        if ticket is None:
+        if ticket is None and watch is None:
             return fut
-        # The caller sees the results only once the time is recorded, so its
-        # next call never overlaps this one in the tuner's eyes.
+        if fut.done():  # ran in this thread: record it now, no second Future
+            self._finished(plan, ticket, watch, fut, None)
+            return fut
+        # The caller sees the results only once the time and the random state are
+        # recorded, so its next call never overlaps this one in the tuner's eyes.
         out = _futures.Settle()
-        fut.add_done_callback(lambda done: self._timed(ticket, done, out))
+        fut.add_done_callback(lambda done: self._finished(plan, ticket, watch, done, out))
         return out.future
 
-    def _timed(self, ticket: Ticket, done: Future[list[Any]], out: _futures.Settle) -> None:
+    def _watch(self) -> Watch | None:
+        """The random-stream guard's watch over the next call (engine="auto" only)."""
+        guard = self._guard
+        if guard is not None and self.plan is not None and self.plan.engine == "serial":
+            guard = self._guard = None  # every call runs serially: nothing to guard
+        return guard.start() if guard is not None else None
+
+    def _probe(self, watch: Watch, calls: _Calls) -> list[Any]:
+        results = []
+        for i, (m, n, (a, k)) in enumerate(self._triples(calls)):
+            results.append(_call(m, n, a, k))
+            watch.after_member(i)
+        return results
+
+    def _finished(
+        self,
+        plan: FanoutPlan,
+        ticket: Ticket | None,
+        watch: Watch | None,
+        done: Future[list[Any]],
+        out: _futures.Settle | None,
+    ) -> None:
         try:
-            self._tuner.end(ticket, ok=_succeeded(done))
-            if self.plan is not None:
+            ok = _succeeded(done)
+            guard, drew = self._guard, None
+            if watch is not None and guard is not None:
+                drew = guard.finish(watch, ok, plan)
+                if drew is not None:
+                    self._run_serially(*drew)
+            if ticket is not None:
+                self._tuner.end(ticket, ok=ok)
+            if (ticket is not None or drew is not None) and self.plan is not None:
                 self._close_pools(keep=self.plan)
                 if self.plan.engine != "vmap":  # the members need not stay stacked
                     self._release_stacks()
         finally:
-            out.copy(done)
+            if out is not None:
+                out.copy(done)
 
-    def _run_plan(
-        self, plan: FanoutPlan, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
-    ) -> Future[list[Any]]:
+    def _run_serially(self, reason: str, warn: bool) -> None:
+        """A call drew random numbers: "auto" runs every later call serially."""
+        for plan in self._tuner.plans:
+            if plan.engine != "serial":
+                self.declined[plan.engine] = reason
+        self._tuner.settle(self._serial_plan)
+        self._guard = None
+        _logger.log(logging.WARNING if warn else logging.INFO, "Fanout: %s", reason)
+
+    def _run_plan(self, plan: FanoutPlan, calls: _Calls) -> Future[list[Any]]:
         if plan.engine == "serial":
             return _settle(lambda: self._serial(calls))
         if plan.engine == "vmap":
             return _settle(lambda: self._vmap(plan, calls))
         if plan.engine == "fork":
-            return _settle(lambda: self._fork(plan, calls))
+            driver = self._driver
+            assert driver is not None
+            return _settle(lambda: run_forked(driver, self._lock, plan, calls))
         pool = self._ensure_pool(plan)
-        modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        futs = [pool.submit(_bind(m, n, a, k, modes)) for m, n, (a, k) in self._triples(calls)]
+        futs = [pool.submit(partial(_call, m, n, a, k)) for m, n, (a, k) in self._triples(calls)]
         return _futures.gather(futs)
 
-    def _serial(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+    def _serial(self, calls: _Calls) -> list[Any]:
         return [_call(m, n, a, k) for m, n, (a, k) in self._triples(calls)]
 
-    def _vmap(
-        self, plan: FanoutPlan, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
-    ) -> list[Any]:
+    def _vmap(self, plan: FanoutPlan, calls: _Calls) -> list[Any]:
         stacked = self._stacked
         if stacked is None:  # declined by an earlier call
             return self._serial(calls)
@@ -282,21 +344,18 @@ class Fanout:
             for plan in [p for p in self._pools if p != keep]:
                 self._pools.pop(plan).close()
 
-    def _fork(
-        self, plan: FanoutPlan, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
-    ) -> list[Any]:
-        inputs = []
-        for args, kwargs in calls:
-            if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
-                raise TypeError(
-                    "engine='fork' calls each member with one Tensor, got "
-                    f"{len(args)} positional and {len(kwargs)} keyword argument(s); "
-                    "use engine='threads' for other signatures"
-                )
-            inputs.append(args[0])
-        assert self._driver is not None
-        with self._lock, _intra_op_threads(plan.intra_op_threads):
-            return list(self._driver(inputs))
+
+def _rebuild(
+    members: Sequence[Callable[..., Any]],
+    engine: Engine,
+    threads: int | None,
+    show_warnings: bool,
+    names: Sequence[str],
+) -> Fanout:
+    """A copied or unpickled `Fanout` (see `Fanout.__reduce__`)."""
+    return Fanout(
+        members, engine=engine, threads=threads, names=names, show_warnings=show_warnings
+    )
 
 
 def fanout(
@@ -316,75 +375,6 @@ def fanout(
         return fan(*args, **kwargs)
 
 
-def _check_members(members: object) -> tuple[Callable[..., Any], ...]:
-    if isinstance(members, (torch.nn.Module, str)) or not isinstance(members, Sequence):
-        raise TypeError(
-            f"members must be a list of callables or modules, got {type(members).__name__}; "
-            "write Fanout([model_a, model_b])"
-        )
-    if not members:
-        raise ValueError("members is empty; pass at least one callable or module")
-    for i, member in enumerate(members):
-        if not callable(member):
-            raise TypeError(
-                f"member {i} is a {type(member).__name__}, not a callable; pass the function "
-                "or module itself, not the result of calling it"
-            )
-    return tuple(members)
-
-
-def _check_names(names: object, members: Sequence[Callable[..., Any]]) -> tuple[str, ...]:
-    if names is None:
-        return tuple(f"member {i} ({type(m).__name__})" for i, m in enumerate(members))
-    if isinstance(names, str) or not isinstance(names, Sequence):
-        raise TypeError(f"names must be a list of strings, one per member, got {names!r:.60}")
-    if len(names) != len(members) or not all(isinstance(n, str) for n in names):
-        raise ValueError(
-            f"names must give one string per member ({len(members)}), got {list(names)!r:.80}"
-        )
-    return tuple(names)
-
-
-def _check_threads(threads: object) -> int | None:
-    if threads is None:
-        return None
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise ValueError(f"threads must be a positive int, got {threads!r}")
-    return threads
-
-
-def _script_driver(members: Sequence[Callable[..., Any]], show: bool) -> torch.jit.ScriptModule:
-    modules = []
-    for i, member in enumerate(members):
-        if not isinstance(member, torch.nn.Module):
-            raise TypeError(
-                f"engine='fork' runs nn.Modules, member {i} is a {type(member).__name__}; "
-                "wrap it in a Module or use engine='threads'"
-            )
-        modules.append(member)
-    with _torch.quiet_torchscript(show):
-        try:
-            script = torch.jit.script
-            scripted = [m if isinstance(m, torch.jit.ScriptModule) else script(m) for m in modules]
-            return torch.jit.script(_ForkDriver(scripted))
-        except Exception as error:
-            raise TypeError(
-                f"engine='fork' needs TorchScript-compatible members taking one Tensor and "
-                f"returning one; scripting failed: {str(error).strip().splitlines()[0]}; "
-                "use engine='threads' for eager-only code"
-            ) from error
-
-
-@contextlib.contextmanager
-def _intra_op_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _span(name: str) -> contextlib.AbstractContextManager[Any]:
     """A span named `name` in torch's profiler (and so in asyncrpc.trace), while it records.
 
@@ -402,19 +392,6 @@ def _call(member: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
     except Exception as error:
         error.add_note(f"raised by {name}")
         raise
-
-
-def _bind(
-    member: Callable[..., Any], name: str, args: Any, kwargs: Any, modes: tuple[bool, bool]
-) -> Callable[[], Any]:
-    grad, inference = modes
-
-    def job() -> Any:
-        # Grad and inference mode are thread-local: carry the caller's over.
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            return _call(member, name, args, kwargs)
-
-    return job
 
 
 def _succeeded(done: Future[Any]) -> bool:

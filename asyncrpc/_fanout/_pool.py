@@ -63,8 +63,16 @@ class Pool:
                 fut.set_result(value)
 
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn()` on a pool thread, in the caller's grad and inference mode."""
         fut = new_future()
-        self._jobs.put((fn, fut))
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+        def job() -> Any:
+            # Grad and inference mode are thread-local: carry the caller's over.
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                return fn()
+
+        self._jobs.put((job, fut))
         return fut
 
     def close(self) -> None:

@@ -19,10 +19,16 @@ members, small batches, few cores)::
         └─ any other module: torch.func.vmap(functional_call) over the stacks
       outputs, split along the member axis, in member order
 
-With gradients on, the stacked call reads the members' parameters through
-`torch.stack` (so gradients reach each member's own); a member whose
-parameters and inputs need none gets outputs that need none, as its own
-forward would give.
+With gradients on, the stacked call reads each stack through `_Rows`, whose
+output is the stack itself (its version counter too: a member's tensor
+changed in place before backward makes backward raise torch's own error, as
+eager does) and whose backward hands each member's tensor its row of the
+gradient; a member whose parameters and inputs need none gets outputs that
+need none, as its own forward would give. With gradients on, the outputs are
+one `select` view each (a view of a multi-output `unbind` refuses in-place
+changes), so `out.masked_fill_(...)` works as on a member's own output.
+The stacks are made when the engine is (`Stacked.__init__`), before a graph
+holds the members' tensors, so the tensors can share the stacks' counters.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from .._core import _torch
 from ._attributes import Attributes
 from ._check import RANDOM_REASON, Calls, deterministic, first_line, leaves, replay
 from ._decline import Declined, chain_of, decline
-from ._storage import Storage, Unstackable, storage_for
+from ._storage import InSharedMemory, Storage, Unstackable, storage_for
 
 __all__ = ["Stacked"]
 
@@ -49,9 +55,17 @@ class Stacked:
     def __init__(self, members: Sequence[torch.nn.Module]) -> None:
         self.members = tuple(members)
         self.count = len(members)
-        self.storage: Storage | None = None  # made once the first call's check passed
+        self.storage: Storage | None = None  # the stacks the members' tensors are rows of
+        self._checked = False  # the first call's check passed: calls run stacked
         self._first = threading.Lock()
         self._read_structure()
+
+    def _stack_early(self) -> None:
+        """Stack now, while no autograd graph holds the members' tensors (see _storage)."""
+        try:
+            self.storage = storage_for(self.members)
+        except Unstackable:
+            self.storage = None  # the first call says why
 
     def _read_structure(self) -> None:
         """What depends on the members' layers: the code to run and what to read per call."""
@@ -64,6 +78,7 @@ class Stacked:
         # `m.head = ...`) has other tensors, attributes and code.
         self._tables = [_torch.module_tables(sub) for m in self.members for sub in m.modules()]
         self._structure = self._read_tables()
+        self._stack_early()
 
     def _read_tables(self) -> list[tuple[Any, ...]]:
         return list(map(tuple, map(dict.values, self._tables)))
@@ -86,10 +101,12 @@ class Stacked:
             self._restructure(serial)
         if not self._stackable_now():
             return serial()
-        if self.storage is None:
+        if not self._checked or self.storage is None:
             return self._first_call(calls, serial)
         try:
             return self.batched(self.storage, calls)
+        except InSharedMemory as why:
+            raise Declined(str(why), serial()) from why
         except Unstackable:
             return serial()
         except Exception as error:
@@ -99,7 +116,7 @@ class Stacked:
 
     def release(self) -> None:
         """Give the members memory of their own again (the engine is no longer used)."""
-        storage, self.storage = self.storage, None
+        storage, self.storage, self._checked = self.storage, None, False
         if storage is not None:
             storage.leave()
 
@@ -113,7 +130,7 @@ class Stacked:
 
     def _first_call(self, calls: Calls, serial: Callable[[], list[Any]]) -> list[Any]:
         with self._first:
-            if self.storage is not None:
+            if self._checked and self.storage is not None:
                 return self.run(calls, serial)
             try:
                 copies = [copy.deepcopy(list(self.members)) for _ in range(2)]
@@ -127,9 +144,13 @@ class Stacked:
                 ) from error
             results = serial()  # the call itself: the members' own state moves once
             reason = self._check(copies, inputs)
+            if reason is None and self.storage is None:
+                self.storage = storage_for(self.members)
+            if reason is None and self.storage is not None:
+                reason = self.storage.shared_memory_reason()
             if reason is not None:
                 raise Declined(reason, results)
-            self.storage = storage_for(self.members)
+            self._checked = True
             return results
 
     def _check(self, copies: list[list[torch.nn.Module]], inputs: list[Calls]) -> str | None:
@@ -145,7 +166,7 @@ class Stacked:
             engine = Stacked(stacked_copies)
             if not engine._stackable_now():
                 return engine.attributes.difference or "the members' copies cannot be stacked"
-            storage = Storage(stacked_copies)
+            storage = engine.storage or Storage(stacked_copies)
             return replay(
                 lambda: engine.batched(storage, inputs[0]), stacked_copies, own_copies, inputs[1]
             )
@@ -159,37 +180,29 @@ class Stacked:
         held = storage.sync()
         args, kwargs, dims = _batch_inputs(calls)
         before = storage.versions()
-        params, copies = self._params(storage, held)
+        params = self._params(storage, held)
         if (
             self.layers is not None
             and not kwargs
             and len(args) == 1
             and _is_rows(args[0], dims[0] is not None)
         ):
-            outputs = list(self._run_chain(params, args[0], dims[0] is not None).unbind(0))
+            outputs = _rows_of(self._run_chain(params, args[0], dims[0] is not None))
         else:
             buffers = {name: storage.stacks[name] for name in storage.buffer_names}
             outputs = self._run_vmap(params, buffers, args, kwargs, dims)
-        _keep_in_place_writes(storage, copies)
         storage.write_back(held, before)
         return self._as_members(outputs, storage, held, calls)
 
-    def _params(
-        self, storage: Storage, held: list[torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, int]]]:
-        """The parameters the call reads, and the copies stacked in the graph (with versions)."""
-        if not torch.is_grad_enabled():
-            return {name: storage.stacks[name] for name in storage.param_names}, {}
-        params, copies = {}, {}
-        for name in storage.param_names:
-            group = storage.group(held, name)
-            if any(t.requires_grad for t in group):
-                # Stacked inside the graph, so gradients reach every member's own tensor.
-                stacked = params[name] = torch.stack(group)
-                copies[name] = (stacked, stacked._version)
-            else:
-                params[name] = storage.stacks[name]
-        return params, copies
+    def _params(self, storage: Storage, held: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The parameters the call reads: the stacks, through `_Rows` where gradients flow."""
+        params = {name: storage.stacks[name] for name in storage.param_names}
+        if torch.is_grad_enabled():
+            for name in storage.param_names:
+                group = storage.group(held, name)
+                if any(t.requires_grad for t in group):
+                    params[name] = _Rows.apply(params[name], *group)  # type: ignore[no-untyped-call]
+        return params
 
     def _as_members(
         self, outputs: list[Any], storage: Storage, held: list[torch.Tensor], calls: Calls
@@ -238,13 +251,29 @@ class Stacked:
         return _split(vmapped(params, buffers, *args), self.count)
 
 
-def _keep_in_place_writes(storage: Storage, copies: dict[str, tuple[torch.Tensor, int]]) -> None:
-    """A forward that changed a parameter in place (Embedding's max_norm, a clamp_) changed
-    the copy stacked in the graph: the members' own tensors, the stack's rows, get it too."""
-    for name, (stacked, version) in copies.items():
-        if stacked._version != version:
-            with torch.no_grad():
-                storage.stacks[name].copy_(stacked.detach())
+class _Rows(torch.autograd.Function):
+    """The stack as the members' tensors in one: its gradient goes to each member's own.
+
+    The output is the stack detached (its memory and version counter, not a
+    view in autograd's eyes), so ops that save it see in-place changes made
+    through any member's tensor, and in-place writes in forward (Embedding's
+    max_norm) land in the members' rows.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, stack: torch.Tensor, *group: torch.Tensor) -> torch.Tensor:
+        return stack.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, *grad.unbind(0))
+
+
+def _rows_of(out: torch.Tensor) -> list[torch.Tensor]:
+    """Each member's output: `select` views where autograd records (each may change in place)."""
+    if out.requires_grad and torch.is_grad_enabled():
+        return [out.select(0, i) for i in range(out.shape[0])]
+    return list(out.unbind(0))
 
 
 def _attributes_of(
@@ -285,7 +314,7 @@ def _is_rows(x: Any, each: bool) -> bool:
 
 def _split(out: Any, count: int) -> list[Any]:
     if isinstance(out, torch.Tensor):
-        return list(out.unbind(0))
+        return _rows_of(out)
     if isinstance(out, (tuple, list)):
         columns = [_split(item, count) for item in out]
         return [type(out)(column[i] for column in columns) for i in range(count)]

@@ -1,31 +1,40 @@
 """The stacked storage of the "vmap" engine: the members' tensors are its rows.
 
 For every parameter and buffer name the engine keeps one tensor that holds
-all members' values, and each member's own tensor is a view of its row::
+all members' values, and each member's own tensor is a view of its row that
+shares the stack's version counter::
 
     member i's tensor (m_i.fc.weight) ── a view of ──> stack["fc.weight"][i]
                                                               │
     optimizer steps (fused and foreach too), .data writes,    │ read as it is by
     load_state_dict, buffers updated in place in forward ─────┘ the stacked call
 
-So what a member holds and what the stacked call reads are one thing: a
-write torch does not count (`.data`, fused kernels) needs no check and no
-copy. Per call only where each member's tensor lives is compared (data
-pointers, read with C-level maps): a tensor replaced or given other memory
-(`p.data = t`, `.to()`, `load_state_dict(assign=True)`) is copied into its
-row and made a view of it again, unless another tensor shares its memory:
-then it is copied into its row before every call, and the member keeps
-sharing. `release` gives each member memory of its own again (the Fanout
-closed or collected, the engine declined or not chosen).
+So what a member holds and what the stacked call reads are one thing, and a
+change in place to a member's tensor (an optimizer step) bumps the stack's
+version: a graph that saved the stack raises torch's own "modified by an
+inplace operation" error in backward, as eager does. The swap that makes a
+tensor share the counter (`_torch.share_version`) cannot be done while a live
+graph holds the tensor: such a tensor shares memory only (`.data = row`),
+and calls with gradients on run member by member until it can be linked.
+Per call only where each member's tensor lives is compared (data pointers,
+read with C-level maps): a tensor replaced or given other memory (`p.data =
+t`, `.to()`, `load_state_dict(assign=True)`) is copied into its row and made
+a view of it again, unless another tensor shares its memory: then it is
+copied into its row before every call without gradients (calls with
+gradients run member by member), and the member keeps sharing. A tensor in
+shared memory (`share_memory()`: another process may write it) is never
+moved: `InSharedMemory` declines the engine. `release` gives each member
+memory of its own again (the Fanout closed or collected, the engine declined
+or not chosen), except rows of a stack that was itself moved to shared
+memory.
 
 Several `Fanout`s over the same members, in the same order, share one
-Storage (`storage_for`; the last to leave releases it): two stacks would
-take the members' tensors from each other on every call.
+Storage (`storage_for`; the last to leave releases it).
 
 What aliasing would change for a member, and what is done about it:
   - `torch.save(member.state_dict())` and `copy.deepcopy` of its entries would
-    write or copy the whole stack: a state-dict hook marks the entries so
-    they save and copy as themselves alone;
+    write or copy the whole stack: a state-dict hook marks entries that are
+    rows of any live stack so they save and copy as themselves alone;
   - RPC sends a row alone (torch copies a view of a larger storage);
   - left as they are (documented): `p.untyped_storage()` is the stack's, and
     `torch.save(member)` of the whole module object writes the stacks.
@@ -33,6 +42,7 @@ What aliasing would change for a member, and what is done about it:
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 import threading
@@ -44,11 +54,15 @@ import torch
 
 from .._core import _torch
 
-__all__ = ["Storage", "Unstackable", "storage_for"]
+__all__ = ["InSharedMemory", "Storage", "Unstackable", "storage_for"]
 
 
 class Unstackable(Exception):
     """This call cannot run stacked (its inputs, the members' tensors or modes); the next may."""
+
+
+class InSharedMemory(Unstackable):
+    """A member's tensor is in shared memory: the stack cannot be that memory, so no call may."""
 
 
 class _Slot:
@@ -99,14 +113,18 @@ class Storage:
         self._rows: list[torch.Tensor] = [torch.empty(0)] * len(flat)
         self._expected: list[int] = [0] * len(flat)
         self._strides: list[tuple[int, ...]] = [()] * len(flat)
+        self._links: list[tuple[int, int] | None] = [None] * len(flat)  # (tensor, stack) ids
         self._foreign: set[int] = set()  # copied in before every call, and back after
+        self._unlinked: set[int] = set()  # rows in memory, not yet in version
+        self._in_shm: set[int] = set()  # in shared memory: left where they are
         self._lock = threading.Lock()
-        # A module-level hook, found by module: a member stays picklable and copyable.
-        self._hooks = []
-        for m in members:
-            for sub in m.modules():
-                _owners[sub] = self
-                self._hooks.append(sub.register_state_dict_post_hook(_mark_entries))  # type: ignore[no-untyped-call]
+        # A module-level hook: a member stays picklable and copyable.
+        self._hooks = [
+            sub.register_state_dict_post_hook(_mark_entries)  # type: ignore[no-untyped-call]
+            for m in members
+            for sub in m.modules()
+        ]
+        _live.add(self)
         held = self.held()
         with self._lock, _stacking():
             for k in range(len(self.names)):
@@ -117,7 +135,12 @@ class Storage:
         return list(map(operator.getitem, self._tables, self._keys))
 
     def sync(self) -> list[torch.Tensor]:
-        """Make the stacks hold what the members hold now; returns the members' tensors."""
+        """Make the stacks hold what the members hold now; returns the members' tensors.
+
+        Raises `InSharedMemory` for a member's tensor in shared memory, and
+        `Unstackable` for a call with gradients on while a member's tensor
+        cannot share its stack's version counter.
+        """
         held = self.held()
         try:
             pointers = list(map(_data_ptr, held))
@@ -127,11 +150,38 @@ class Storage:
         if pointers != self._expected or strides != self._strides:
             with self._lock, _stacking():
                 self._repoint(held, pointers, strides)
+        if self._in_shm:
+            raise InSharedMemory(self._shm_reason(min(self._in_shm)))
         if self._foreign:
             with _stacking():
                 for j in list(self._foreign):
-                    self._rows[j].copy_(held[j])
+                    self._rows[j].data.copy_(held[j])  # the stack's version is not the user's
+        if (self._unlinked or self._foreign) and torch.is_grad_enabled():
+            self._link_or_refuse(held)
         return held
+
+    def _link_or_refuse(self, held: list[torch.Tensor]) -> None:
+        with self._lock, _stacking():
+            for j in list(self._unlinked):
+                if _torch.share_version(held[j], self._rows[j]):
+                    self._linked(j, held[j])
+        if self._unlinked or self._foreign:
+            j = min(self._unlinked | self._foreign)
+            raise Unstackable(
+                f"member {j % self.count}'s {self.names[j // self.count]} cannot share the "
+                "stack's version counter (a live autograd graph or a tensor of yours holds it)"
+            )
+
+    def _shm_reason(self, j: int) -> str:
+        return (
+            f"member {j % self.count}'s {self.names[j // self.count]} is in shared memory "
+            "(share_memory()): another process may write it, and a stack cannot be that "
+            "memory, so the members run one by one and keep their shared tensors"
+        )
+
+    def shared_memory_reason(self) -> str | None:
+        """Why the members cannot be stacked because of shared memory, or None."""
+        return self._shm_reason(min(self._in_shm)) if self._in_shm else None
 
     def versions(self) -> dict[str, int]:
         """Each stack's version: a stacked call that changes one in place bumps it."""
@@ -163,22 +213,31 @@ class Storage:
             self.release()
 
     def release(self) -> None:
-        """Give every member memory of its own again; the stacks are dropped."""
+        """Give every member memory (and a version counter) of its own again; drop the stacks.
+
+        Rows of a stack moved to shared memory stay where they are: another
+        process may hold that memory.
+        """
         with self._lock, _stacking():
             for j, tensor in enumerate(self.held()):
-                if tensor is not None and _data_ptr(tensor) == _data_ptr(self._rows[j]):
-                    tensor.data = self._rows[j].clone()
+                row = self._rows[j]
+                if tensor is None or _data_ptr(tensor) != _data_ptr(row) or row.is_shared():  # type: ignore[no-untyped-call]
+                    continue
+                _Alone.unmark(tensor)
+                own = row.clone()
+                if not _torch.share_version(tensor, own):
+                    tensor.data = own  # a live graph holds it: the memory alone
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
-            for sub, owner in list(_owners.items()):
-                if owner is self:
-                    del _owners[sub]
+            _live.discard(self)
             self.stacks.clear()
             self._rows = [torch.empty(0)] * len(self._rows)
             self._expected = [-1] * len(self._rows)
             self._strides = [()] * len(self._rows)
-            self._foreign.clear()
+            self._links = [None] * len(self._rows)
+            for table in (self._foreign, self._unlinked, self._in_shm):
+                table.clear()
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """True when `tensor` is a view into one of the stacks."""
@@ -203,7 +262,8 @@ class Storage:
                 restacked.add(k)
                 continue
             # A view of the stack itself (`.data = w.t()`) overlaps the row: copy a clone.
-            row.copy_(tensor.clone() if self.owns(tensor) else tensor)
+            # Written past the version counter, as the `.data` write it mirrors.
+            row.data.copy_(tensor.clone() if self.owns(tensor) else tensor)
             self._adopt(j, tensor)
 
     def _restack(self, k: int, held: list[torch.Tensor]) -> None:
@@ -217,23 +277,45 @@ class Storage:
             self._adopt(j, tensor)
 
     def _adopt(self, j: int, tensor: torch.Tensor) -> None:
-        """Make `tensor` a view of row j, or copy it in and out every call if it cannot be.
+        """Make `tensor` a view of row j sharing its version, or keep it apart and say how.
 
-        A tensor whose memory another tensor shares stays as it is (the sharing is
-        the user's), and so does an inference tensor (it cannot take other data).
+        A tensor in shared memory is left alone (`InSharedMemory` at the next
+        call); one whose memory another tensor shares stays as it is (the
+        sharing is the user's), and so does an inference tensor (it cannot take
+        other data): both are copied in before every call.
         """
         row = self._rows[j]
-        shared = _torch.storage_shared(tensor) and not self.owns(tensor)  # the stack is ours
-        if tensor.is_inference() or shared:
+        for table in (self._foreign, self._unlinked, self._in_shm):
+            table.discard(j)
+        ours = self.owns(tensor)
+        if tensor.is_shared() and not ours:  # type: ignore[no-untyped-call]
+            self._in_shm.add(j)
+        elif tensor.is_inference() or (_torch.storage_shared(tensor) and not ours):
             self._foreign.add(j)
+        elif self._links[j] == self._link_of(j, tensor):
+            tensor.data = row  # linked already: `.data =` keeps the shared version counter
+        elif _torch.share_version(tensor, row):
+            self._linked(j, tensor)
         else:
             try:
                 tensor.data = row
-                self._foreign.discard(j)
+                self._unlinked.add(j)
             except RuntimeError:
                 self._foreign.add(j)
+        if j not in self._foreign:
+            _Alone.mark(tensor)
         self._expected[j] = _data_ptr(tensor)
         self._strides[j] = tensor.stride()
+
+    def _link_of(self, j: int, tensor: torch.Tensor) -> tuple[int, int]:
+        return _torch.impl_id(tensor), id(self.stacks[self.names[j // self.count]])
+
+    def _linked(self, j: int, tensor: torch.Tensor) -> None:
+        self._unlinked.discard(j)
+        self._links[j] = self._link_of(j, tensor)
+
+
+_live: weakref.WeakSet[Storage] = weakref.WeakSet()  # the stacks state dicts are checked against
 
 
 _shared: weakref.WeakValueDictionary[tuple[int, ...], Storage] = weakref.WeakValueDictionary()
@@ -274,20 +356,19 @@ class _stacking:
 # ---- state dicts: an entry that is a row saves and copies as itself alone -------------
 
 
-_owners: weakref.WeakKeyDictionary[torch.nn.Module, Storage] = weakref.WeakKeyDictionary()
+def _stack_memory(tensor: torch.Tensor) -> bool:
+    """True when `tensor` is a row of any live stack (one Fanout's, or another's)."""
+    return any(storage.owns(tensor) for storage in list(_live))
 
 
 def _mark_entries(
     module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
-    storage = _owners.get(module)
-    if storage is None or not storage.stacks:
-        return  # a copy of a member (the hook came along), or the stacks are gone
     for table in _torch.tensor_tables(module):
         for key, own in table.items():
             entry = state_dict.get(prefix + key)
             # keep_vars=True hands out the member's own tensors: those are left alone.
-            if isinstance(entry, torch.Tensor) and entry is not own and storage.owns(entry):
+            if isinstance(entry, torch.Tensor) and entry is not own and _stack_memory(entry):
                 ref = weakref.ref(entry)
                 setattr(entry, "__reduce_ex__", functools.partial(_reduce_alone, ref))  # noqa: B010
                 setattr(entry, "__deepcopy__", functools.partial(_copy_alone, ref))  # noqa: B010
@@ -306,3 +387,39 @@ def _copy_alone(ref: weakref.ref[torch.Tensor], memo: dict[int, Any]) -> torch.T
     assert tensor is not None
     copied = memo[id(tensor)] = tensor.clone()
     return copied
+
+
+class _Alone:
+    """Set on a member's plain tensor (a buffer) that is a row: it deep-copies as its row alone.
+
+    A Parameter copies its own data alone already (`Parameter.__deepcopy__`); a
+    plain tensor's `__deepcopy__` copies its whole storage, the stack. The
+    instance's `__getstate__` leaves these marks out when it is pickled.
+    """
+
+    __slots__ = ("tensor",)
+    _KEYS = ("__deepcopy__", "__getstate__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    @classmethod
+    def mark(cls, tensor: torch.Tensor) -> None:
+        if type(tensor) is torch.Tensor and "__deepcopy__" not in vars(tensor):
+            alone = cls(tensor)
+            vars(tensor).update(__deepcopy__=alone.deepcopy, __getstate__=alone.state)
+
+    @classmethod
+    def unmark(cls, tensor: torch.Tensor) -> None:
+        for key in cls._KEYS:
+            vars(tensor).pop(key, None)
+
+    def deepcopy(self, memo: dict[int, Any]) -> torch.Tensor:
+        with torch.no_grad():
+            copied = self.tensor.clone().requires_grad_(self.tensor.requires_grad)
+        memo[id(self.tensor)] = copied
+        vars(copied).update(copy.deepcopy(self.state(), memo))
+        return copied
+
+    def state(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self.tensor).items() if k not in self._KEYS}

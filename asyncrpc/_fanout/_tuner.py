@@ -87,12 +87,17 @@ class Tuner:
         self._started = 0
         self._active = 0
 
-    def begin(self) -> tuple[FanoutPlan, Ticket | None]:
-        """The plan for the next call, and a ticket while plans are still being timed."""
+    def begin(self, prefer: FanoutPlan | None = None) -> tuple[FanoutPlan, Ticket | None]:
+        """The plan for the next call, and a ticket while plans are still being timed.
+
+        `prefer` runs this call on that plan (timed, if it is a candidate).
+        """
         with self._lock:
-            if self.chosen is not None:
-                return self.chosen, None
-            plan = min(self.plans, key=self._turns)
+            if self.chosen is not None or (prefer is not None and prefer not in self.plans):
+                plan = prefer or self.chosen
+                assert plan is not None
+                return plan, None
+            plan = prefer or min(self.plans, key=self._turns)
             self._started += 1
             ticket = Ticket(plan, self._started, alone=self._active == 0)
             self._active += 1
@@ -134,6 +139,12 @@ class Tuner:
                 self.chosen = self.plans[0]
             elif self.chosen == plan:
                 self._choose()
+
+    def settle(self, plan: FanoutPlan) -> None:
+        """Run every call on `plan` from now on, the only candidate (timed or not)."""
+        with self._lock:
+            self.plans, self.chosen = (plan,), plan
+            self._samples.setdefault(plan, [])
 
     def timings(self) -> dict[FanoutPlan, tuple[float, ...]]:
         """Seconds of each plan's timed calls so far."""

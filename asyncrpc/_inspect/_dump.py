@@ -6,10 +6,12 @@ Works while every RPC thread of every worker is blocked: each worker's
 watcher thread answers through the world's store (see `_core._side`).
 Text, per worker: name and pid; each call it runs (function, calling worker,
 age) with its Python stack; the calls it has in flight; then one `cycle:`
-line per cycle of waits. `--json` prints the same as
-``{"world", "workers": [{"name", "pid", "threads": [{"call", "caller",
-"age_s", "stack"}], "in_flight": [{"to", "call", "age_s"}]}], "cycles":
-[[worker names in order]]}``.
+line per cycle of waits that never ends by itself, and one `waiting:` line
+per cycle that ends when a busy RPC thread in it is free (see `_core._waits`).
+`--json` prints the same as ``{"world", "workers": [{"name", "pid",
+"threads": [{"call", "caller", "age_s", "stack"}], "in_flight": [{"to",
+"call", "age_s"}]}], "cycles": [[worker names in order]], "waits": [{"workers":
+[worker names in order], "ends_with": ["worker call()"]}]}``.
 """
 
 from __future__ import annotations
@@ -29,11 +31,17 @@ def dump(address: str, entry: dict[str, Any]) -> dict[str, Any]:
     workers = ask_world(address, entry, "dump", blank={"threads": [], "in_flight": []})
     answered = [w for w in workers if "error" not in w]
     cycles = _waits.cycles(answered)
+    waits = _waits.waits(answered)
     return {
         "world": address,
         "workers": workers,
         "cycles": [[worker for worker, _ in cycle] for cycle in cycles],
-        "cycle_lines": [_waits.describe(cycle) for cycle in cycles],
+        "waits": [
+            {"workers": [w for w, _ in steps], "ends_with": [f"{w} {c}" for w, c in frees]}
+            for steps, frees in waits
+        ],
+        "cycle_lines": [_waits.describe(cycle) for cycle in cycles]
+        + [_waits.describe_wait(wait) for wait in waits],
     }
 
 

@@ -19,10 +19,11 @@ import json
 import signal
 import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from .._core import _registry
-from ._worlds import ask_world, pick_world
+from ._worlds import Unreachable, ask_world, pick_world, quiet_stderr, try_ask_world
 
 __all__ = ["COLUMNS", "main", "rows"]
 
@@ -65,11 +66,11 @@ def rows(workers: list[dict[str, Any]]) -> list[list[str]]:
     return out
 
 
-def _notes(workers: list[dict[str, Any]]) -> list[str]:
-    return [f"{w['name']}: {w['error']}" for w in workers if "error" in w]
+def _notes(workers: list[dict[str, Any]], more: list[str]) -> list[str]:
+    return [*more, *(f"{w['name']}: {w['error']}" for w in workers if "error" in w)]
 
 
-def _plain(address: str, workers: list[dict[str, Any]]) -> str:
+def _plain(address: str, workers: list[dict[str, Any]], more: Sequence[str] = ()) -> str:
     table = [[title for title, _ in COLUMNS], *rows(workers)]
     widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
     lines = [f"world {address}, {time.strftime('%H:%M:%S')}"]
@@ -77,16 +78,16 @@ def _plain(address: str, workers: list[dict[str, Any]]) -> str:
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
         for row in table
     ]
-    return "\n".join([*lines, *_notes(workers), *LEGEND])
+    return "\n".join([*lines, *_notes(workers, list(more)), *LEGEND])
 
 
-def _rich_table(address: str, workers: list[dict[str, Any]]) -> Any:
+def _rich_table(address: str, workers: list[dict[str, Any]], more: list[str]) -> Any:
     from rich import box
     from rich.table import Table
 
     table = Table(
         title=f"asyncrpc world {address}  {time.strftime('%H:%M:%S')}",
-        caption="\n".join([*_notes(workers), *LEGEND]),
+        caption="\n".join([*_notes(workers, more), *LEGEND]),
         box=box.SIMPLE_HEAD, padding=0, show_edge=False, caption_justify="left",
     )  # fmt: skip
     for title, key in COLUMNS:
@@ -103,10 +104,39 @@ def _rich_table(address: str, workers: list[dict[str, Any]]) -> Any:
 
 def _ask(address: str, entry: dict[str, Any]) -> list[dict[str, Any]]:
     workers = ask_world(address, entry, "top", blank=_BLANK)
-    if all("error" in w for w in workers) and address not in _registry.worlds():
-        print(f"asyncrpc-top: the world at {address} has ended")
-        raise SystemExit(0)
+    if all("error" in w for w in workers) and _ended(address, _ENDING_S):
+        _end(address)
     return workers
+
+
+def _turn(address: str, entry: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """One turn of the live view: the rows, and a note when the world's store gave none."""
+    got = try_ask_world(address, entry, "top", blank=_BLANK)
+    if isinstance(got, Unreachable):
+        if _ended(address, 0.0 if got.silent else _ENDING_S):
+            _end(address)
+        return [], [got.reason]
+    if all("error" in w for w in got) and _ended(address, _ENDING_S):
+        _end(address)
+    return got, []
+
+
+_ENDING_S = 3.0  # how long a world whose store is gone may take to leave the listing
+
+
+def _ended(address: str, wait: float) -> bool:
+    """True once no worker of the world at `address` is registered here, waiting `wait` s."""
+    deadline = time.monotonic() + wait
+    while address in _registry.worlds():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _end(address: str) -> NoReturn:
+    print(f"the world ended ({address})", flush=True)
+    raise SystemExit(0)
 
 
 def _live(address: str, entry: dict[str, Any], interval: float) -> None:
@@ -118,7 +148,8 @@ def _live(address: str, entry: dict[str, Any], interval: float) -> None:
     stop = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        _draw(address, entry, interval, stop)
+        with quiet_stderr():  # torch's C++ log of a store that went away: the view says it
+            _draw(address, entry, interval, stop)
     except (Exception, SystemExit):
         if not stop.is_set():
             raise  # not an interrupted turn: a real failure
@@ -132,12 +163,12 @@ def _draw(address: str, entry: dict[str, Any], interval: float, stop: threading.
     except ImportError:
         print("(rich is not installed: pip install 'asyncrpc[top]' for the live view)")
         while not stop.is_set():
-            print(_plain(address, _ask(address, entry)), flush=True)
+            print(_plain(address, *_turn(address, entry)), flush=True)
             stop.wait(interval)
         return
-    with Live(_rich_table(address, _ask(address, entry)), auto_refresh=False) as live:
+    with Live(_rich_table(address, *_turn(address, entry)), auto_refresh=False) as live:
         while not stop.wait(interval):
-            live.update(_rich_table(address, _ask(address, entry)), refresh=True)
+            live.update(_rich_table(address, *_turn(address, entry)), refresh=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,17 +5,34 @@ asyncrpc-dump [--world host:port]
                                       │ none: exit 1, "no world is running"
                                       └ several, no --world: exit 2, listing them
   ask every rank through the side channel (_core._side) ─> answers, in rank order
+
+A store whose process is stopped (SIGSTOP, Ctrl-Z in its terminal) still
+accepts connections (the kernel queues them), but never answers, and torch's
+client then waits forever: the asking runs on a thread of its own with a
+deadline, and when it passes, the process is named from /proc::
+
+    /proc/net/tcp{,6}: the socket listening on the store's port ── its inode
+    /proc/<pid>/fd/*:  the process holding that socket            ── pid, state ("T": stopped)
+
+On a machine without /proc, or for a store on another machine, the pid is unknown.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from .._core import _registry, _side
 
-__all__ = ["ask_world", "pick_world"]
+__all__ = [
+    "Unreachable", "ask_world", "is_stopped", "pick_world", "quiet_stderr", "store_holder",
+    "try_ask_world",
+]  # fmt: skip
 
 EXIT_NO_WORLD = 1
 EXIT_WHICH_WORLD = 2
@@ -35,7 +52,8 @@ def pick_world(wanted: str | None) -> tuple[str, dict[str, Any]]:
         _fail(
             EXIT_NO_WORLD,
             f"no asyncrpc world is running for this user on this machine (looked in "
-            f"{_registry.folder()}); start one, or run this on a machine where one runs",
+            f"{' and '.join(map(str, _registry.folders()))}); start one, or run this on a "
+            f"machine where one runs",
         )
     if len(worlds) > 1:
         _fail(EXIT_WHICH_WORLD, f"{len(worlds)} worlds are running: pick one with --world. "
@@ -45,37 +63,132 @@ def pick_world(wanted: str | None) -> tuple[str, dict[str, Any]]:
 
 
 ANSWER_BY_S = 4.0  # from the command's start: it answers within 5 s, its start-up included
+_SPARE_S = 0.4  # past the workers' time: for the store's own last answers
+
+
+class Unreachable:
+    """The world's store gave no answer: `reason` says why; `silent`: it took the call, no more."""
+
+    def __init__(self, reason: str, silent: bool) -> None:
+        self.reason, self.silent = reason, silent
 
 
 def ask_world(
     address: str, entry: dict[str, Any], kind: str, blank: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """Every worker's answer to `kind`, in rank order.
+    """Every worker's answer to `kind`, in rank order; exits (status 1) if the store gives none.
 
     A worker that gives none within the command's time (`ANSWER_BY_S`) is
     `{name, rank, pid, host, "error"}` plus `blank`, the keys an answer
     would have; its pid and host are known when it registered on this machine.
     """
-    names = list(entry["names"])
-    try:
-        store = _side.connect(address, entry["prefix"], timeout=2.0)
-    except Exception as exc:  # torch's message goes on with C++ frames: its first line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        _fail(EXIT_NO_WORLD, f"cannot reach the world's store at {address} ({first}); it "
-              f"may have just ended")  # fmt: skip
+    workers = try_ask_world(address, entry, kind, blank)
+    if isinstance(workers, Unreachable):
+        _fail(EXIT_NO_WORLD, workers.reason)
+    return workers
+
+
+def try_ask_world(
+    address: str, entry: dict[str, Any], kind: str, blank: dict[str, Any] | None = None
+) -> list[dict[str, Any]] | Unreachable:
+    """`ask_world`, or why the store gave no answer, always within the command's time.
+
+    A store whose process is stopped takes connections and never answers, and
+    torch's client then waits forever: the asking runs on a thread of its own,
+    and a turn while the last one is still stuck waits for that one instead.
+    """
     timeout = max(1.0, ANSWER_BY_S - _running_for())
-    answers = _side.ask(store, range(len(names)), kind, timeout)
+    with quiet_stderr():  # torch's client logs a lost store with its C++ frames: said below
+        stuck = _stuck.pop(address, None)
+        if stuck is not None:  # the store answers again once this one ends; its answers are old
+            stuck.thread.join(timeout + _SPARE_S)
+        job = stuck if stuck is not None and stuck.thread.is_alive() else None
+        if job is None:
+            job = _Job(lambda: _ask_store(address, entry, kind, timeout))
+            job.thread.join(timeout + _SPARE_S)
+    if job.thread.is_alive() or (job.error is not None and is_stopped(store_holder(address))):
+        if job.thread.is_alive():
+            _stuck[address] = job
+        reason = _silent_store(address, _registry.worlds().get(address, []), timeout)
+        return Unreachable(reason, silent=True)
+    if job.error is not None or job.answers is None:
+        error = job.error or RuntimeError("no answer")
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return Unreachable(
+            f"cannot reach the world's store at {address} ({first}); it may have just ended",
+            silent=False,
+        )
+    return _workers(address, entry, job.answers, timeout, blank)
+
+
+class _Job:
+    """One asking of the store, on a daemon thread (one stuck in torch's client ends with us)."""
+
+    def __init__(self, ask: Any) -> None:
+        self.answers: dict[int, dict[str, Any] | None] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(ask,), daemon=True,
+                                       name="asyncrpc-ask-world")  # fmt: skip
+        self.thread.start()
+
+    def _run(self, ask: Any) -> None:
+        try:
+            self.answers = ask()
+        except Exception as exc:  # reported by the asker
+            self.error = exc
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null meanwhile (torch's C++ log writes there, not to Python's)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+_stuck: dict[str, _Job] = {}  # address -> the asking still waiting on its store
+
+
+def _ask_store(
+    address: str, entry: dict[str, Any], kind: str, timeout: float
+) -> dict[int, dict[str, Any] | None]:
+    host, _, port = address.rpartition(":")
+    # Nothing listening is said at once (torch's client would retry until its timeout).
+    socket.create_connection((host.strip("[]"), int(port)), timeout=min(2.0, timeout)).close()
+    store = _side.connect(address, entry["prefix"], timeout=min(2.0, timeout))
+    return _side.ask(store, range(len(entry["names"])), kind, timeout)
+
+
+def _workers(
+    address: str, entry: dict[str, Any], answers: dict[int, dict[str, Any] | None],
+    timeout: float, blank: dict[str, Any] | None,
+) -> list[dict[str, Any]]:  # fmt: skip
     known = {e["rank"]: e for e in _registry.worlds().get(address, [])}
     workers = []
-    for rank, name in enumerate(names):
-        answer = answers[rank]
+    for rank, name in enumerate(entry["names"]):
+        answer = answers.get(rank)
         if answer is None:
             here = known.get(rank, {})
             answer = {"name": name, "rank": rank, "pid": here.get("pid"),
                       "host": here.get("host"), **(blank or {}),
-                      "error": f"no answer within {timeout:.1f} s ({_NO_ANSWER})"}  # fmt: skip
+                      "error": _silent_worker(here.get("pid"), timeout)}  # fmt: skip
         workers.append(answer)
     return workers
+
+
+def _silent_worker(pid: int | None, timeout: float) -> str:
+    if is_stopped(pid):
+        return (
+            f"no answer within {timeout:.1f} s: it is stopped (SIGSTOP/Ctrl-Z); resume it "
+            f"with kill -CONT {pid}, or fg in its terminal"
+        )
+    return f"no answer within {timeout:.1f} s ({_NO_ANSWER})"
 
 
 # Why a worker may not answer: its watcher thread cannot run, or it has none yet.
@@ -83,6 +196,100 @@ _NO_ANSWER = (
     "a thread of it holds the GIL, it is stopped or gone, or, in a world torch started, "
     "asyncrpc has not run in it yet"
 )
+
+
+_LISTEN = "0A"  # the state column of /proc/net/tcp for a listening socket
+
+
+def store_holder(address: str) -> int | None:
+    """The pid of the process on this machine listening on `address`'s port, None if unknown."""
+    port = address.rpartition(":")[2]
+    if not port.isdigit():
+        return None
+    inodes = _listening_inodes(int(port))
+    if not inodes:
+        return None
+    for pid in _pids():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def is_stopped(pid: int | None) -> bool:
+    """True when process `pid` is stopped (SIGSTOP, Ctrl-Z) or held by a tracer."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _silent_store(address: str, entries: list[dict[str, Any]], waited: float) -> str:
+    """Why the store at `address` gave no answer within `waited` s, naming its process."""
+    pid = store_holder(address)
+    if pid is None:
+        return (
+            f"the store at {address} does not answer within {waited:.1f} s: the process "
+            f"holding it may be stopped (SIGSTOP/Ctrl-Z) or too busy to answer; resume it "
+            f"(kill -CONT, or fg in its terminal)"
+        )
+    held = f"the store at {address} (held by pid {pid}, {_name(pid, entries)})"
+    if is_stopped(pid):
+        return (
+            f"{held} does not answer: it is stopped (SIGSTOP/Ctrl-Z); resume it with "
+            f"kill -CONT {pid}, or fg in its terminal"
+        )
+    return (
+        f"{held} does not answer within {waited:.1f} s: it may be stopped (SIGSTOP/Ctrl-Z), "
+        f"or too busy to answer"
+    )
+
+
+def _name(pid: int, entries: list[dict[str, Any]]) -> str:
+    """The worker's name for a worker of the world, else the process's command line."""
+    for entry in entries:
+        if entry.get("pid") == pid:
+            return str(entry["name"])
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            words = cmdline.read().decode(errors="replace").split("\0")
+    except OSError:
+        return "an unknown process"
+    shown = " ".join(os.path.basename(w) if i < 2 else w for i, w in enumerate(words[:3]) if w)
+    return shown or "an unknown process"
+
+
+def _listening_inodes(port: int) -> set[str]:
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as rows:
+                next(rows, None)
+                for row in rows:
+                    cols = row.split()
+                    local = cols[1].rsplit(":", 1)
+                    if len(cols) > 9 and cols[3] == _LISTEN and int(local[1], 16) == port:
+                        found.add(f"socket:[{cols[9]}]")
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
 
 
 def _running_for() -> float:

@@ -12,18 +12,31 @@ with one change: its default static rendezvous is replaced by the
 
 The same backend is registered for plain torchrun through the
 `torchrun.handlers` entry point: `torchrun --rdzv-backend asyncrpc ...`.
+
+What differs from torchrun besides: every argument is checked before
+anything starts (one line naming the value and what is allowed, exit 2);
+the workers end with the launcher, SIGKILL included (`_parent`); a signal
+that stops the launcher (Ctrl-C) is one line and exit status 128 + signal;
+a failed world ends with torch's summary, whose root cause is the worker
+that raised first (`_torch.watch_agent_failures`), without the launcher's traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import logging
+import math
 import os
+import signal
+import socket
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._core import _net, _rendezvous
+from . import _parent
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -40,7 +53,10 @@ Every torchrun option works as in torchrun. What differs:
   * across machines (--nnodes N) node 0 hosts the store on --master-addr
     (an address of that host, on the private network), and every node
     binds RPC to --interface, or to the interface that reaches the master;
-  * OMP/intra-op threads default to cores // nproc-per-node.
+  * OMP/intra-op threads default to cores // nproc-per-node; an
+    OMP_NUM_THREADS you set is kept;
+  * the workers end with the launcher, even when it is killed (SIGKILL);
+  * Ctrl-C prints one line and exits 130.
 
 examples:
   asyncrpc-launch --nproc-per-node 3 examples/ring.py
@@ -82,6 +98,8 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # This process is the agent: let it name the workers it sees die, while the
     # rendezvous lasts (torch's launcher shuts it down when the agent ends).
     handler.on_shutdown = _torch.watch_agent_failures(_liveness.report_exits)
+    # The workers it starts take this process's environment: they die with it (_parent).
+    os.environ[_parent.LAUNCHER_VARIABLE] = str(os.getpid())
     return handler  # type: ignore[no-any-return]
 
 
@@ -90,17 +108,25 @@ def rendezvous_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
     return _create_handler
 
 
+class _Parser(argparse.ArgumentParser):
+    """torchrun's options; a mistake is one line (torchrun's usage alone is dozens)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; `{self.prog} --help` lists every option\n")
+
+
 def _parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
-    parser = get_args_parser()
-    parser.prog = "asyncrpc-launch"
-    parser.description = (
-        "Launch an asyncrpc (or any torch.distributed) script with torchrun, "
-        "listening on loopback only unless several machines are asked for."
+    parser = _Parser(
+        prog="asyncrpc-launch",
+        description="Launch an asyncrpc (or any torch.distributed) script with torchrun, "
+        "listening on loopback only unless several machines are asked for.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[get_args_parser()],
+        add_help=False,  # torchrun's parser brings -h
     )
-    parser.epilog = _EPILOG
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "--interface",
         default=None,
@@ -111,8 +137,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def build_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse launcher arguments into torchrun's namespace, with asyncrpc's defaults applied."""
-    args = _parser().parse_args(list(argv))
+    """Parse launcher arguments into torchrun's namespace, with asyncrpc's defaults applied.
+
+    A value torchrun would fail on, or crash on, exits here with status 2 and
+    one line that names the value and what is allowed.
+    """
+    parser = _parser()
+    args = parser.parse_args(list(argv))
+    try:
+        _check(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.rdzv_backend == "static" or args.standalone:
         _, max_nodes = _node_range(args.nnodes)
         single = max_nodes == 1
@@ -127,8 +162,70 @@ def build_args(argv: Sequence[str]) -> argparse.Namespace:
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
         args.node_rank = 0  # now carried by rdzv_conf; torchrun warns it is ignored otherwise
     if args.rdzv_backend == BACKEND:
+        _check_endpoint(args.rdzv_endpoint, parser)
         _warn_if_unreachable(args.rdzv_endpoint, args.nnodes)
     return args
+
+
+_NPROC_ALLOWED = (
+    "a whole number above 0, 'auto' or 'cpu' (one worker per CPU), or 'gpu' or 'xpu' "
+    "(one per device) on a machine that has them"
+)
+
+
+def local_workers(nproc_per_node: str) -> int:
+    """How many workers --nproc-per-node starts on this machine; ValueError if none or unknown."""
+    from torch.distributed.run import determine_local_world_size
+
+    value = str(nproc_per_node)
+    try:
+        count = int(determine_local_world_size(value))
+    except (ValueError, RuntimeError, AttributeError) as exc:
+        raise ValueError(
+            f"--nproc-per-node must be {_NPROC_ALLOWED}, got {value!r} ({exc})"
+        ) from exc
+    if count < 1:
+        raise ValueError(f"--nproc-per-node must be {_NPROC_ALLOWED}, got {value!r}")
+    return count
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the first argument torchrun cannot run with."""
+    local_workers(args.nproc_per_node)
+    _, max_nodes = _node_range(args.nnodes)
+    if not 0 <= args.node_rank < max_nodes:
+        raise ValueError(
+            f"--node-rank must be 0..{max_nodes - 1} for --nnodes {args.nnodes}, "
+            f"got {args.node_rank}"
+        )
+    if args.master_port is not None and not 0 <= args.master_port <= 65535:
+        raise ValueError(f"--master-port must be a port, 0..65535, got {args.master_port}")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if not (math.isfinite(args.monitor_interval) and args.monitor_interval > 0):
+        raise ValueError(
+            f"--monitor-interval must be a number of seconds above 0, got {args.monitor_interval}"
+        )
+    names = sorted(name for _, name in socket.if_nameindex())
+    if args.interface is not None and args.interface not in names:
+        raise ValueError(
+            f"--interface must be a network interface of this machine, one of {names}, "
+            f"got {args.interface!r}"
+        )
+
+
+def _check_endpoint(endpoint: str, parser: argparse.ArgumentParser) -> None:
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    try:
+        _, port = parse_rendezvous_endpoint(endpoint.strip(), -1)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        parser.error(
+            f"--rdzv-endpoint must be HOST:PORT with a port 0..65535 (node 0's address), "
+            f"got {endpoint!r}"
+        )
 
 
 def _warn_if_unreachable(endpoint: str, nnodes: str) -> None:
@@ -144,16 +241,80 @@ def _warn_if_unreachable(endpoint: str, nnodes: str) -> None:
 
 
 def _node_range(nnodes: str) -> tuple[int, int]:
-    low, _, high = nnodes.partition(":")
-    return int(low), int(high or low)
+    low, _, high = str(nnodes).partition(":")
+    try:
+        least, most = int(low), int(high or low)
+    except ValueError:
+        least = most = 0
+    if not 1 <= least <= most:
+        raise ValueError(
+            f"--nnodes must be a whole number of machines above 0, or MIN:MAX with "
+            f"1 <= MIN <= MAX, got {nnodes!r}"
+        )
+    return least, most
 
 
 def _set_child_env(args: argparse.Namespace) -> None:
+    """The workers' environment: the interface, the launcher's pid, and OMP_NUM_THREADS.
+
+    OMP_NUM_THREADS: one the user set is kept; otherwise cores // local
+    workers (torchrun would set 1), which `asyncrpc.run` keeps as it keeps any.
+    """
     if args.interface:
         os.environ["ASYNCRPC_INTERFACE"] = args.interface
-    if "OMP_NUM_THREADS" not in os.environ and str(args.nproc_per_node).isdigit():
+    os.environ[_parent.LAUNCHER_VARIABLE] = str(os.getpid())
+    if "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0))
-        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // int(args.nproc_per_node)))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // local_workers(args.nproc_per_node)))
+
+
+class _StopNotes(logging.Filter):
+    """Drops torch's notes on the signal that stops the launcher: `main` says it in one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        if text.startswith("Received %s death signal"):
+            self.stopping = True
+            return False
+        return not (self.stopping and text.startswith("Sending process %s closing signal"))
+
+
+_TORCH_LOGGERS = ("torch.distributed.elastic.agent.server.api",
+                  "torch.distributed.elastic.multiprocessing.api")  # fmt: skip
+
+
+@contextmanager
+def _one_line_on_signals() -> Iterator[None]:
+    """A signal that stops torch's agent (Ctrl-C, SIGTERM) ends the launcher with one line.
+
+    torch's agent stops the workers with the same signal and raises; this
+    prints what happened and exits with 128 + the signal, as a shell expects
+    (Ctrl-C: 130). A worker that fails ends it with torch's summary, not a traceback.
+    """
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    notes = _StopNotes()
+    loggers = [logging.getLogger(name) for name in _TORCH_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(notes)
+    try:
+        yield
+    except (SignalException, KeyboardInterrupt) as stop:
+        number = getattr(stop, "sigval", signal.SIGINT)
+        what = "interrupted (Ctrl-C)" if number == signal.SIGINT else f"ended by {number.name}"
+        print(f"asyncrpc-launch: {what}; the workers were stopped", file=sys.stderr, flush=True)
+        raise SystemExit(128 + int(number)) from None
+    except ChildFailedError as failed:
+        print(failed, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    finally:
+        for logger in loggers:
+            logger.removeFilter(notes)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -162,13 +323,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from .._core import _torch
 
-    args = build_args(sys.argv[1:] if argv is None else argv)
-    unregister = _torch.register_rendezvous(BACKEND, _create_handler)
-    _set_child_env(args)
-    try:
-        run(args)  # type: ignore[no-untyped-call]
-    finally:
-        unregister()
+    with _one_line_on_signals():
+        args = build_args(sys.argv[1:] if argv is None else argv)
+        unregister = _torch.register_rendezvous(BACKEND, _create_handler)
+        _set_child_env(args)
+        try:
+            run(args)  # type: ignore[no-untyped-call]
+        finally:
+            unregister()
 
 
 if __name__ == "__main__":

@@ -1,29 +1,38 @@
-"""Dying with the parent: processes of an embedded world end when the supervisor ends.
+"""Dying with the parent: an embedded world's processes, and a launcher's workers.
 
-A worker's Python thread that watches the supervisor (`_supervisor`) cannot
+A worker's Python thread that watches its parent (`_supervisor`) cannot
 run while the worker holds the GIL in a long C call (`sum(range(10**10))`);
 the kernel's parent-death signal needs no GIL. Linux only: elsewhere
-nothing is set and the watching thread alone stops workers::
+nothing is set and the watching threads alone stop workers::
 
     supervisor dies ──(PR_SET_PDEATHSIG, set when the forkserver imports this)──> forkserver:
                         SIGTERM, it dies ──(PR_SET_PDEATHSIG, set by each worker)──> workers
+    asyncrpc-launch dies ──(PR_SET_PDEATHSIG, set when the worker imports this)──> workers
 
-Importing this module does nothing, except in the forkserver an embedded
-world starts: the supervisor names itself in ASYNCRPC_FORKSERVER_PARENT
-for that start only, and the forkserver imports this module with its
-preloads.
+Importing this module does nothing, except in two kinds of process. The
+forkserver an embedded world starts: the supervisor names itself in
+ASYNCRPC_FORKSERVER_PARENT for that start only, and the forkserver imports
+this module with its preloads. A worker a launcher started: the launcher
+(`asyncrpc-launch`, or torchrun's agent with the asyncrpc rendezvous) names
+itself in ASYNCRPC_LAUNCHER_PID, and the worker imports this module with
+`import asyncrpc`, before its script runs anything else of asyncrpc's.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import sys
+import threading
+import time
 
-__all__ = ["PARENT_VARIABLE", "die_with_parent"]
+__all__ = ["LAUNCHER_VARIABLE", "PARENT_VARIABLE", "die_with_parent", "watch_launcher"]
 
 PARENT_VARIABLE = "ASYNCRPC_FORKSERVER_PARENT"
+LAUNCHER_VARIABLE = "ASYNCRPC_LAUNCHER_PID"
+KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL, as a supervisor stops its workers
 _PR_SET_PDEATHSIG = 1
 
 
@@ -40,6 +49,47 @@ def die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def launched_by() -> int | None:
+    """The pid of the launcher that started this process as a worker, or None."""
+    named = os.environ.get(LAUNCHER_VARIABLE, "")
+    parent = os.getppid()
+    return parent if named == str(parent) else None
+
+
+def watch_launcher() -> None:
+    """In a launcher's worker: once the launcher has ended, SIGTERM, then SIGKILL, this worker.
+
+    The parent-death signal is a SIGTERM, which a program's own handler may
+    take (and then go on); this thread ends the worker as a supervisor would.
+    """
+    launcher = launched_by()
+    if launcher is None:
+        return
+
+    def watch() -> None:
+        _wait_for_end(launcher)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(KILL_AFTER_S)  # a program's own SIGTERM handler had its chance
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="asyncrpc-launcher-watch", daemon=True).start()
+
+
+def _wait_for_end(pid: int) -> None:
+    try:
+        handle = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux 5.3+: ask once a second
+        while os.getppid() == pid:
+            time.sleep(1.0)
+        return
+    try:
+        select.select([handle], [], [])  # readable once the process has ended
+    finally:
+        os.close(handle)
+
+
 if os.environ.get(PARENT_VARIABLE) == str(os.getppid()):  # this is that forkserver
     os.environ.pop(PARENT_VARIABLE)
+    die_with_parent(os.getppid())
+elif launched_by() is not None:  # a launcher's worker (not a process that worker starts)
     die_with_parent(os.getppid())

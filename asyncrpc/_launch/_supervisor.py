@@ -39,19 +39,14 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from .._core import _context, _rendezvous, _world
-from .._core._errors import WorkerFailedError, WorkerUnreachableError
-from .._core._liveness import leave_world
+from .._core._errors import WorkerFailedError
 from . import _parent
+from ._launched import launched, run_launched
 
 __all__ = ["run"]
 
 _GRACE_S = 3.0  # how long survivors get to exit on their own after a failure
 _KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL
-
-
-def launched() -> bool:
-    """True when a launcher (torchrun, asyncrpc-launch) started this process as a worker."""
-    return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def run(
@@ -92,7 +87,7 @@ def run(
     settings = _context.Settings.from_options(options)
     size = _context.resolve_world_size(world_size, roles)
     if launched():
-        _run_launched(main, args, size, roles, settings)
+        run_launched(main, args, size, roles, settings)
         return
     if size is None:
         raise ValueError(
@@ -138,43 +133,6 @@ def _check_main(main: object) -> None:
             f"main must be a module-level function so that worker processes can import "
             f"it, got {qualname!r}; define it with def at the top level of your script"
         )
-
-
-def _run_launched(
-    main: Callable[..., object],
-    args: tuple[Any, ...],
-    world_size: int | None,
-    roles: Mapping[str, int] | None,
-    settings: _context.Settings,
-) -> None:
-    ctx = _world.init(world_size=world_size, roles=roles, **_as_options(settings))
-    # The world's liveness (keyed by attempt, as torchrun's agent keys its reports):
-    # launched, a failure anywhere ends this worker too.
-    live = _world.current_liveness()
-    assert live is not None
-    live.on_failure = leave_world
-    if live.failure is not None:
-        leave_world(live.failure)
-    try:
-        main(ctx, *args)
-    except BaseException as error:
-        # A call that failed because its peer died is a consequence: give the
-        # launcher that saw the death the first word.
-        lost_peer = isinstance(error, WorkerUnreachableError)
-        record = live.report(f"raised {type(error).__name__}: {error}", defer=lost_peer)
-        print(f"asyncrpc: {record}", file=sys.stderr, flush=True)
-        live.stop(left=False)
-        # Peers may still wait on this worker: leave without the shutdown barrier.
-        _world.shutdown(graceful=False)
-        raise
-    # The graceful shutdown waits for every peer without a deadline: keep
-    # beating and watching through it, so a peer dying now ends this one too.
-    _world.shutdown()
-    live.stop()
-
-
-def _as_options(settings: _context.Settings) -> dict[str, Any]:
-    return {f: getattr(settings, f) for f in settings.__dataclass_fields__}
 
 
 def _run_embedded(

@@ -1,0 +1,116 @@
+"""A launched worker: `asyncrpc.run` under torchrun or `asyncrpc-launch`.
+
+Every process already is a worker: it joins the launcher's world, runs
+`main` and leaves. What it adds to the program, and nothing else:
+
+- it ends with its launcher (`_parent`), even while holding the GIL;
+- a failure anywhere ends it too (`_liveness`); when its own `main` raises
+  first, it records that in the world's store and in torch's error file,
+  so the launcher's summary names it as the root cause;
+- a SIGINT (the launcher's Ctrl-C) ends it as an uncaught Ctrl-C ends
+  Python, without the traceback: the launcher says it once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+from .._core import _context, _world
+from .._core._errors import WorkerUnreachableError
+from .._core._liveness import Liveness, describe, leave_world
+from . import _parent
+
+__all__ = ["launched", "run_launched"]
+
+
+def launched() -> bool:
+    """True when a launcher (torchrun, asyncrpc-launch) started this process as a worker."""
+    return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run_launched(
+    main: Callable[..., object],
+    args: tuple[Any, ...],
+    world_size: int | None,
+    roles: Mapping[str, int] | None,
+    settings: _context.Settings,
+) -> None:
+    _parent.watch_launcher()  # asyncrpc-launch's workers end with it, SIGKILL included
+    try:
+        ctx = _world.init(world_size=world_size, roles=roles, **_as_options(settings))
+    except KeyboardInterrupt:
+        _interrupted()
+    # The world's liveness (keyed by attempt, as torchrun's agent keys its reports):
+    # launched, a failure anywhere ends this worker too.
+    live = _world.current_liveness()
+    assert live is not None
+    live.on_failure = leave_world
+    if live.failure is not None:
+        leave_world(live.failure)
+    try:
+        main(ctx, *args)
+    except KeyboardInterrupt:
+        _interrupted()
+    except BaseException as error:
+        _report_raised(ctx, live, error)
+        live.stop(left=False)
+        # Peers may still wait on this worker: leave without the shutdown barrier.
+        _world.shutdown(graceful=False)
+        raise
+    # The graceful shutdown waits for every peer without a deadline: keep
+    # beating and watching through it, so a peer dying now ends this one too.
+    _world.shutdown()
+    live.stop()
+
+
+def _report_raised(ctx: _context.Context, live: Liveness, error: BaseException) -> None:
+    """Record `error` as this worker's failure; the root cause also writes torch's error file.
+
+    torchrun's agent names as "Root Cause" the failure with the earliest
+    error file (`_torch.watch_agent_failures` puts it first): only the worker
+    whose record won, whose `main` raised first, writes one.
+    """
+    # A call that failed because its peer died is a consequence: give the
+    # launcher that saw the death the first word.
+    lost_peer = isinstance(error, WorkerUnreachableError)
+    # This worker ends on its own now: its liveness, which reads the record written
+    # next, must not end it first (before the error file is written).
+    live.on_failure = _leaving_anyway
+    why = f"raised {type(error).__name__}: {error}"
+    record = live.report(why, defer=lost_peer)
+    print(f"asyncrpc: {record}", file=sys.stderr, flush=True)
+    first = record == f"{describe(ctx.name, ctx.rank)} {why}"
+    if first and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        with contextlib.suppress(OSError):
+            ErrorHandler().record_exception(error)
+
+
+def _leaving_anyway(record: str) -> None:
+    """A failure seen while this worker already reports its own and leaves."""
+
+
+def _interrupted() -> NoReturn:
+    """End a launched worker that a SIGINT (its launcher's Ctrl-C) interrupted, quietly.
+
+    As Python ends on an uncaught Ctrl-C (killed by SIGINT, which the
+    launcher reports), without the traceback: the launcher says it was
+    interrupted, once. The world is left as a killed worker leaves it.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1.0)  # the signal arrives within it
+    os._exit(130)
+
+
+def _as_options(settings: _context.Settings) -> dict[str, Any]:
+    return {f: getattr(settings, f) for f in settings.__dataclass_fields__}
