@@ -550,3 +550,17 @@ def test_a_user_class_that_passes_the_proof_is_stacked() -> None:
         _assert_close(fan(x), [m(x) for m in members])
         _assert_close(fan(x), [m(x) for m in members])
     assert not fan.declined and fan._stacked is not None and fan._stacked.storage is not None
+
+
+def test_a_parametrization_registered_after_stacking_declines_on_the_next_call() -> None:
+    members = [
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        for _ in range(3)
+    ]
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    x = torch.rand(5, 4)
+    with torch.no_grad():
+        fan(x)
+        torch.nn.utils.parametrizations.weight_norm(members[2][2])  # moves 'weight' away
+        _assert_close(fan(x), [m(x) for m in members])  # was a KeyError from the release
+    assert "parametrize" in fan.declined["vmap"], fan.declined

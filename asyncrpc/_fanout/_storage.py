@@ -219,7 +219,8 @@ class Storage:
         process may hold that memory.
         """
         with self._lock, _stacking():
-            for j, tensor in enumerate(self.held()):
+            # .get: a slot may be gone (a parametrization registered since moved it)
+            for j, tensor in enumerate(map(dict.get, self._tables, self._keys)):
                 row = self._rows[j]
                 if tensor is None or _data_ptr(tensor) != _data_ptr(row) or row.is_shared():  # type: ignore[no-untyped-call]
                     continue
