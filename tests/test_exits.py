@@ -8,6 +8,7 @@ within a few seconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -51,6 +52,21 @@ def descendants(pid: int) -> set[int]:
 
 def alive(pids: set[int]) -> set[int]:
     return pids & set(_parents())
+
+
+def assert_gone(tree: set[int], within: float) -> None:
+    """Every process of `tree` ends within `within` seconds."""
+    deadline = time.monotonic() + within
+    while alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(tree), {p: open(f"/proc/{p}/cmdline").read()[:80] for p in alive(tree)}
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (a test's clean-up)."""
+    for each in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
 
 
 _TGKILL = {"x86_64": 234, "aarch64": 131}  # the syscall's number, by machine
@@ -121,16 +137,9 @@ def test_the_parent_of_a_world_ending_by_any_signal_leaves_no_process(
             time.sleep(1)
             errors.seek(0)
             raise AssertionError(f"the parent did not end: {errors.read()[-6000:]}") from None
-        deadline = time.monotonic() + 8
-        while alive(tree) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(tree), {p: open(f"/proc/{p}/cmdline").read()[:80] for p in alive(tree)}
+        assert_gone(tree, within=8)
     finally:
-        for pid in [parent.pid, *descendants(parent.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(parent.pid)
 
 
 def test_an_init_worlds_shutdown_with_a_dead_peer_raises_within_its_bound() -> None:

@@ -5,14 +5,13 @@ root cause; and what it must not leave: workers after it ends, tracebacks of
 its own on Ctrl-C, a crash on a bad argument.
 """
 
-import contextlib
 import os
 import signal
 import time
 from typing import Any
 
 import pytest
-from test_exits import alive, descendants
+from test_exits import assert_gone, descendants, kill_tree
 
 from asyncrpc._launch import _cli as _launch
 
@@ -204,14 +203,9 @@ def test_the_launcher_ending_by_a_signal_ends_its_workers(sig: int, hold: bool) 
         time.sleep(1.0)  # the holding workers are inside their C call
         os.kill(launcher.pid, sig)
         _, err = launcher.communicate(timeout=60)
-        deadline = time.monotonic() + 10
-        while alive(tree) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(tree), {p: open(f"/proc/{p}/cmdline").read()[:80] for p in alive(tree)}
+        assert_gone(tree, within=10)
     finally:
-        for pid in [launcher.pid, *descendants(launcher.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_tree(launcher.pid)
     if sig == signal.SIGINT:
         assert launcher.returncode == 130, err[-3000:]
         assert err.splitlines()[-1:] == [

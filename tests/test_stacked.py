@@ -177,11 +177,7 @@ def test_a_chain_runs_stacked_whatever_its_members_modes(monkeypatch: pytest.Mon
     members = _members(mlp, 3)  # Linear and element-wise layers: no mode of their own
     members[1].train()
     members[2][0].train()
-    chains = []
-    run_chain = _stacked.Stacked._run_chain
-    monkeypatch.setattr(
-        _stacked.Stacked, "_run_chain", lambda *a: chains.append(1) or run_chain(*a)
-    )
+    chains = _count_calls(monkeypatch, "_run_chain")
     x = torch.rand(5, 8)
     fan = asyncrpc.Fanout(members, engine="vmap")
     with torch.no_grad():
@@ -417,11 +413,7 @@ def test_immutable_settings_are_stacked_and_a_rebinding_is_seen(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     members = [Configured((-1.0, 1.0), 1.0) for _ in range(3)]
-    vmapped = []
-    run_vmap = _stacked.Stacked._run_vmap
-    monkeypatch.setattr(
-        _stacked.Stacked, "_run_vmap", lambda *a: vmapped.append(1) or run_vmap(*a)
-    )
+    vmapped = _count_calls(monkeypatch, "_run_vmap")
     fan = asyncrpc.Fanout(members, engine="vmap")
     x = torch.rand(5, 8)
     with torch.no_grad():
@@ -433,6 +425,14 @@ def test_immutable_settings_are_stacked_and_a_rebinding_is_seen(
         members[1].bounds = (-1.0, 1.0)
         _assert_close(fan(x), [m(x) for m in members])
     assert not fan.declined and len(vmapped) == 2  # the first call's check, the last call
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, method: str) -> list[int]:
+    """A list that grows by one at each call of `Stacked.<method>` (a stacked run's path)."""
+    calls: list[int] = []
+    run = getattr(_stacked.Stacked, method)
+    monkeypatch.setattr(_stacked.Stacked, method, lambda *a: calls.append(1) or run(*a))
+    return calls
 
 
 def _tensor_hook(members: list[torch.nn.Module]) -> object:
@@ -469,11 +469,7 @@ def test_a_hook_added_after_the_first_call_runs_and_its_removal_stacks_again(
     register: Callable[[list[torch.nn.Module]], object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     members, twins = _members(mlp, 3), _members(mlp, 3)
-    chains = []
-    run_chain = _stacked.Stacked._run_chain
-    monkeypatch.setattr(
-        _stacked.Stacked, "_run_chain", lambda *a: chains.append(1) or run_chain(*a)
-    )
+    chains = _count_calls(monkeypatch, "_run_chain")
     fan = asyncrpc.Fanout(members, engine="vmap")
     x = torch.rand(5, 8)
     fan(x)
