@@ -75,7 +75,6 @@ __all__ = [
     "deserialize",
     "failure_kind",
     "global_call_hook_tables",
-    "global_forward_hooks",
     "guard_reads",
     "hook_tables",
     "impl_id",
@@ -951,13 +950,6 @@ def profiling() -> bool:
     return bool(_autograd_profiler._is_profiler_enabled) or bool(
         torch._C._autograd._profiler_enabled()
     )
-
-
-def global_forward_hooks() -> bool:
-    """True while forward hooks for every module are registered (register_module_forward_hook)."""
-    from torch.nn.modules import module as _module
-
-    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
 def hook_tables(module: torch.nn.Module) -> dict[str, dict[Any, Any]]:

@@ -121,9 +121,8 @@ class Stacked:
             storage.leave()
 
     def _stackable_now(self) -> bool:
-        if _torch.global_forward_hooks():  # nn.modules.module.register_module_forward_hook
-            return False
-        if not self.attributes.alike():  # a setting or mode differs between members
+        # a hook (a member's, a tensor's, one for every module) or an unlike setting
+        if not self.attributes.alike():
             return False
         # BatchNorm and the like update their buffers in training: vmap has no rule.
         return not (self.has_buffers and self.layers is None and self.template.training)
