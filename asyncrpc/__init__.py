@@ -25,6 +25,7 @@ from ._core._errors import (
     NestedCallError,
     NotAFutureError,
     NotInitializedError,
+    ObjectLostError,
     PortInUseError,
     RemoteError,
     RendezvousError,
@@ -48,7 +49,15 @@ from ._core._futures import (
 )
 from ._core._stream import Stream, stream
 from ._core._unwaited import log_unwaited_failures
-from ._core._world import Context, Settings, current_context, init, shutdown
+from ._core._world import (
+    Context,
+    Replaced,
+    Settings,
+    current_context,
+    init,
+    on_replaced,
+    shutdown,
+)
 from ._ensemble import Ensemble
 from ._fanout._fanout import Fanout, fanout
 from ._fanout._tuner import FanoutPlan
@@ -74,11 +83,13 @@ __all__ = (
     "NestedCallError",
     "NotAFutureError",
     "NotInitializedError",
+    "ObjectLostError",
     "PortInUseError",
     "RemoteError",
     "RemoteModule",
     "RemoteObject",
     "RendezvousError",
+    "Replaced",
     "SerializationError",
     "Settings",
     "Stream",
@@ -102,6 +113,7 @@ __all__ = (
     "gather",
     "init",
     "log_unwaited_failures",
+    "on_replaced",
     "remote",
     "render_trace",
     "rpc_async",

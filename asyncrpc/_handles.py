@@ -33,7 +33,8 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from ._core import _calls, _torch
+from ._core import _calls, _torch, _world
+from ._core._errors import WorkerUnreachableError
 from ._core._execution import DESCRIBE_CALL, Kind, classify
 from ._core._futures import gather
 from ._core._stream import DEFAULT_WINDOW, Stream, check_window
@@ -136,8 +137,12 @@ class RemoteObject(Generic[T]):
 
     @property
     def owner(self) -> str:
-        """Name of the worker that holds the object."""
-        return str(self.rref.owner().name)
+        """Name of the worker that holds the object.
+
+        In a world that heals, `ObjectLostError` once that worker's process
+        died (its replacement does not have the object).
+        """
+        return _world.owner_of(self.rref, f"the {self._what()} of this handle")
 
     def options(
         self, *, timeout: float | None = None, window: int | None = None
@@ -236,9 +241,16 @@ class RemoteObject(Generic[T]):
             raise AttributeError(_no_method(self.cls, method, attr))
         return _invoke_async if classify(attr) is Kind.ASYNC else _invoke
 
+    def _what(self) -> str:
+        return f"{self.cls.__qualname__} object" if self.cls is not None else "object"
+
     def __repr__(self) -> str:
         what = self.cls.__qualname__ if self.cls is not None else "an object"
-        return f"<{type(self).__name__} of {what} on {self.owner!r}>"
+        try:
+            where = repr(self.owner)
+        except WorkerUnreachableError as lost:
+            where = f"{lost.name!r}, whose process died (the object is lost)"
+        return f"<{type(self).__name__} of {what} on {where}>"
 
 
 class _Proxy:

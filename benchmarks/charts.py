@@ -9,6 +9,9 @@
     vmap.png    benchmarks/stacked_mlp.py --json stacked_mlp.json: the vmap
                 engine, serial, auto and the floor in the members' layout,
                 relative to the stacked-GEMM floor, by batch
+    heal.png    benchmarks/heal.py --json heal.json: a killed worker's time from
+                the kill to its replacement's first answer, asyncrpc healing it
+                in place vs restarting the whole world vs Ray, against the target
 
 Every chart names its run's date and machine. A missing JSON file skips its
 chart, with a line saying so.
@@ -226,12 +229,52 @@ def _us(us: float) -> str:
     return f"{us:,.0f} us" if us < 10_000 else f"{us / 1e3:,.1f} ms"
 
 
+# ---- heal.png -----------------------------------------------------------------------------
+
+HEAL_COLORS = {  # way in heal.json: color
+    "asyncrpc, heal one worker": COLORS["asyncrpc"],
+    "asyncrpc, restart the whole world": "#8fbbd9",
+    "Ray, restart one actor": COLORS["ray"],
+}
+
+
+def heal_chart(data: dict[str, Any], path: Path) -> None:
+    ways = list(data["ways"])
+    samples = [s for w in ways for s in data["ways"][w]["samples"]]
+    low, high = min([*samples, data["target"]["heal_s"]]) / 2, max(samples) * 5
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.7 * len(ways)))
+    for i, way in enumerate(ways):
+        found = data["ways"][way]
+        color = HEAL_COLORS.get(way, "0.5")
+        ax.barh(i, found["seconds"] - low, left=low, height=0.6, color=color)
+        ax.plot(found["samples"], [i] * len(found["samples"]), "k|", markersize=12, alpha=0.6)
+        kept = "survivors' state kept" if found["state_kept"] else "state lost"
+        label = f"{_seconds(found['seconds'])}, {found['vs_heal']:.2f}x heal's, {kept}"
+        ax.text(max(found["samples"]) * 1.08, i, label, va="center", fontsize=8, bbox=_LABEL_BOX)
+    target = data["target"]
+    ax.axvline(target["heal_s"], color="firebrick", linewidth=0.9, linestyle="--")
+    met = "met" if target["met"] else "not met"
+    label = f" target for a heal: {target['heal_s']} s ({met})"
+    ax.text(target["heal_s"], len(ways) - 0.45, label, color="firebrick", fontsize=8, va="bottom")
+    ax.set_yticks(range(len(ways)), ways, fontsize=9)
+    ax.set_ylim(len(ways) - 0.3, -0.6)
+    ax.set_xscale("log")
+    ax.set_xlim(low, high)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g} s"))
+    ax.set_xlabel("seconds from the SIGKILL to the replacement's first answer "
+                  "(bar: median; ticks: every kill)")  # fmt: skip
+    ax.grid(axis="x", which="major", alpha=0.3)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.93))
+    _finish(fig, data, f"A killed worker of {data['world_size']} back in service", path)
+
+
 # ---- main -----------------------------------------------------------------------------------
 
 CHARTS: dict[str, tuple[str, Callable[[dict[str, Any], Path], None]]] = {
     "peers.png": ("peers.json", peers_chart),
     "scale.png": ("scale.json", scale_chart),
     "vmap.png": ("stacked_mlp.json", vmap_chart),
+    "heal.png": ("heal.json", heal_chart),
 }
 
 

@@ -100,6 +100,10 @@ CASES = {
         ["--rounds", "1", "--items", "100"],
         ["stream of small items (64 B)", "stream of 1 MiB items"],
     ),
+    "heal": (
+        ["--rounds", "1", "--kills", "1", "--no-ray"],
+        ["asyncrpc, heal one worker", "asyncrpc, restart the whole world"],
+    ),
 }
 # Rows without a peer when Ray is left out: they must print asyncrpc's figure.
 FIGURES = {
@@ -145,8 +149,17 @@ JSON_FIGURES = {
         ("layers", "4. asyncrpc.rpc_sync, Python function", "of_step_4"),
         ("worlds", "4 RPC threads", "asyncrpc_over_builtin"),
     ],
+    "heal": [
+        ("ways", "asyncrpc, heal one worker", "seconds"),
+        ("ways", "asyncrpc, restart the whole world", "vs_heal"),
+    ],
 }
-CHARTS = {"peers": "peers.png", "scale": "scale.png", "stacked_mlp": "vmap.png"}
+CHARTS = {
+    "peers": "peers.png",
+    "scale": "scale.png",
+    "stacked_mlp": "vmap.png",
+    "heal": "heal.png",
+}
 
 
 @pytest.mark.subprocess
@@ -188,6 +201,10 @@ def _check_json(name: str, found: dict[str, Any]) -> None:
     if name == "peers":  # every row printed is in the file
         labels = {*found["calls"], *found["startup"], *(r.strip() for r in found["beyond"])}
         assert set(CASES[name][1]) | set(FIGURES[name]) <= labels, labels
+    if name == "heal":  # the survivors kept their state when healed, and lost it in a restart
+        ways = found["ways"]
+        assert ways["asyncrpc, heal one worker"]["state_kept"] is True, ways
+        assert ways["asyncrpc, restart the whole world"]["state_kept"] is False, ways
 
 
 def _check_chart(chart: str, results: Path) -> None:

@@ -37,6 +37,7 @@ INSIDE: dict[str, list[str]] = {
         "_net",
         "_rendezvous",
         "_liveness",
+        "_membership",
         "_registry",
         "_snapshot",
         "_side",
@@ -66,7 +67,7 @@ INSIDE: dict[str, list[str]] = {
         "_fanout",
     ],
     "_trace": ["_timeline", "_render", "_trace"],
-    "_launch": ["_parent", "_launched", "_supervisor", "_cli"],
+    "_launch": ["_parent", "_launched", "_healer", "_supervisor", "_cli"],
     "_inspect": ["_worlds", "_dump", "_top"],
 }
 

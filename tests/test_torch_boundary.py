@@ -1,11 +1,13 @@
 """Every private torch name and message text asyncrpc relies on, checked against this torch.
 
 asyncrpc/_core/_torch.py is the only module that touches them; if an upgrade of torch
-moves one, a test here fails by name.
+moves one, a test here fails by name. A check of the package's source (with `ast`)
+fails, by file and line, where any other module imports or reaches one.
 """
 
 from __future__ import annotations
 
+import ast
 import gc
 import os
 import pathlib
@@ -22,6 +24,127 @@ import asyncrpc
 from asyncrpc._core import _torch
 
 from conftest import PROGRAMS, run_program
+
+PACKAGE = pathlib.Path(asyncrpc.__file__).parent
+BOUNDARY = PACKAGE / "_core" / "_torch.py"
+_ATTR_CALLS = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def _private(dotted: str) -> bool:
+    """Whether a dotted torch name has a component after `torch` with one leading underscore."""
+    return any(p.startswith("_") and not p.startswith("__") for p in dotted.split(".")[1:])
+
+
+def _torch_aliases(tree: ast.AST) -> dict[str, str]:
+    """Each local name bound to a torch module or object by the file's imports, anywhere in it."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    local = alias.asname or alias.name.split(".")[0]
+                    aliases[local] = alias.name if alias.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] == "torch":
+                for alias in node.names:
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return aliases
+
+
+def _dotted(node: ast.expr, aliases: dict[str, str]) -> str | None:
+    """The torch name an `a.b.c` expression reaches, with its root alias resolved, or None."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id in aliases:
+        return ".".join([aliases[node.id], *reversed(parts)])
+    return None
+
+
+def _is_private_part(node: ast.expr, aliases: dict[str, str]) -> bool:
+    """Whether `node` already is a private torch name (its use was reported where it began)."""
+    dotted = _dotted(node, aliases)
+    return dotted is not None and _private(dotted)
+
+
+def _reached(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """The private torch name this one node newly reaches (so a chain is reported once)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+        names = [f"{node.module}.{a.name}" for a in node.names if a.name != "*"] or [node.module]
+    elif isinstance(node, ast.Attribute) and not _is_private_part(node.value, aliases):
+        names = [_dotted(node, aliases) or ""]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) > 1:
+        owner, name = _dotted(node.args[0], aliases), node.args[1]
+        if node.func.id not in _ATTR_CALLS or not owner or _private(owner):
+            return None
+        if not isinstance(name, ast.Constant):
+            return None
+        names = [f"{owner}.{name.value!s}"]  # getattr(torch, "_C") and the like
+    else:
+        return None
+    return next((n for n in names if n.split(".")[0] == "torch" and _private(n)), None)
+
+
+def private_torch_uses(source: str, filename: str = "<source>") -> list[str]:
+    """`file:line: name` for each import or attribute access reaching a private torch name."""
+    tree = ast.parse(source, filename)
+    aliases = _torch_aliases(tree)
+    found = []
+    for node in ast.walk(tree):
+        name = _reached(node, aliases)
+        if name is not None and isinstance(node, ast.stmt | ast.expr):
+            found.append((node.lineno, f"{filename}:{node.lineno}: {name}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_only_the_boundary_module_reaches_torchs_private_names() -> None:
+    found = []
+    paths = sorted(PACKAGE.rglob("*.py"))
+    assert BOUNDARY in paths and len(paths) > 20, paths  # the walk sees the whole package
+    for path in paths:
+        if path != BOUNDARY:
+            where = path.relative_to(PACKAGE.parent).as_posix()
+            found += private_torch_uses(path.read_text(), where)
+    assert not found, (
+        "private torch names reached outside asyncrpc/_core/_torch.py; move each into a "
+        "named function there and call it:\n" + "\n".join(found)
+    )
+
+
+def test_the_boundary_check_sees_private_names_through_aliases() -> None:
+    bad = (
+        "import torch.distributed.rpc as rpc\n"
+        "from torch._C import Future\n"
+        "from torch.distributed import rpc as r2\n"
+        "import torch.distributed as dist\n"
+        "def f():\n"
+        "    rpc.api._get_current_rpc_agent()\n"
+        "    x = r2._utils\n"
+        "    dist.rpc.api._wait_all()\n"
+        "    getattr(torch, '_dynamo')\n"
+        "    import torch\n"
+        "    return torch._C._distributed_rpc.PyRRef\n"
+    )
+    assert private_torch_uses(bad) == [
+        "<source>:2: torch._C.Future",
+        "<source>:6: torch.distributed.rpc.api._get_current_rpc_agent",
+        "<source>:7: torch.distributed.rpc._utils",
+        "<source>:8: torch.distributed.rpc.api._wait_all",
+        "<source>:9: torch._dynamo",
+        "<source>:11: torch._C",
+    ]
+    clean = (
+        "import torch\n"
+        "import torch.distributed.rpc as rpc\n"
+        "from torch.futures import Future\n"
+        "from . import _torch\n"
+        "_x = object()\n"
+        "print(torch.__version__, rpc.api.get_worker_info, _torch._require, _x._y)\n"
+    )
+    assert private_torch_uses(clean) == []
 
 
 def sleepy(seconds: float) -> float:

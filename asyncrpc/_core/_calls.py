@@ -182,6 +182,8 @@ def check(
     """Validate one call before anything is sent; `label` names it in errors (default: func)."""
     world = _world._world or _world.current_world(f"asyncrpc.{verb}")
     worker = _worker_name(verb, to, world.context.names)
+    if world.members is not None:  # a world that heals: `worker` may be being replaced
+        world.members.check_call(worker)
     if world.infos or _torch.agent_running():  # peers may call before the agent is set
         to = world.info(worker)
     if not callable(func):
@@ -199,7 +201,8 @@ def check(
     seconds = check_timeout(verb, timeout)
     label = func if label is None else label
     callee = int(to.id) if isinstance(to, WorkerInfo) else world.context.names.index(worker)
-    sent = Sent(worker, label, callee, new_key(world.context.rank))
+    caller = world.key_rank if world.key_rank >= 0 else world.context.rank  # torch's id
+    sent = Sent(worker, label, callee, new_key(caller))
     return Call(worker, to, func, args, kwargs, seconds, label, sent, world.hang_after)
 
 

@@ -294,6 +294,7 @@ class _Watcher:
         self.address: str | None = None  # where the store listens, if it is a TCPStore
         self.prefix = SIDE_PREFIX
         self.answer: Callable[[str], str] | None = None
+        self.member: Callable[[str], None] | None = None  # "member ..." texts (_membership)
 
 
 _watcher = _Watcher()
@@ -304,6 +305,7 @@ def watch(
     prefix: str = SIDE_PREFIX,
     answer: Answer | None = None,
     agent_gone: Callable[[], bool] | None = None,
+    member: Callable[[str], None] | None = None,
 ) -> None:
     """Start this worker's watcher of its side channel (once per world).
 
@@ -312,10 +314,13 @@ def watch(
     `_side`); without it they get no answer. `agent_gone()` is called once
     torch's agent has stopped without asyncrpc (torch's own `rpc.shutdown()`):
     it ends what the world set up, or returns False when someone else does.
+    `member(text)` takes the news of a world that heals ("member gone ...").
     """
     with _watcher.lock:
         if answer is not None:
             _watcher.answer = answer
+        if member is not None:
+            _watcher.member = member
         if _watcher.started or not _torch.agent_running():
             return
         _watcher.started = True  # also when it cannot start: calls must not retry each time
@@ -376,7 +381,7 @@ def stop_watching() -> None:
         _watcher.started, _watcher.thread, _watcher.store, _watcher.guard = (
             False, None, None, None,
         )  # fmt: skip
-        _watcher.answer, _watcher.address = None, None
+        _watcher.answer, _watcher.address, _watcher.member = None, None, None
     with _lock:
         _tombstones.clear()
         _ended.clear()
@@ -408,6 +413,10 @@ def _watch(store: Any, rank: int) -> None:
         try:
             if text.startswith("ask "):
                 _answer(store, text)
+            elif text.startswith("member "):
+                member = _watcher.member
+                if member is not None:
+                    member(text)
             else:
                 deliver(int(text))
         except Exception:  # a request must never end the watcher

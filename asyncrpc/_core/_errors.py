@@ -25,6 +25,7 @@ __all__ = [
     "NestedCallError",
     "NotAFutureError",
     "NotInitializedError",
+    "ObjectLostError",
     "PortInUseError",
     "RemoteError",
     "RendezvousError",
@@ -116,6 +117,16 @@ class WorkerUnreachableError(AsyncRPCError, RuntimeError, ConnectionError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.name))
+
+
+class ObjectLostError(WorkerUnreachableError):
+    """The object a handle or RRef refers to lived on a worker that died.
+
+    In a world that heals (`restart="worker"`) the worker's replacement
+    starts without the objects the dead process held: every verb on such a
+    handle raises this, also after the heal. Attribute `name`: the owner's
+    name. Spawn the object again (`asyncrpc.on_replaced` says when).
+    """
 
 
 class CallTimeoutError(AsyncRPCError, RuntimeError, TimeoutError):

@@ -20,6 +20,7 @@ them, never at import, and `uninstall` puts back exactly what was there.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import importlib
 import inspect
@@ -73,8 +74,11 @@ __all__ = [
     "combine",
     "current_agent",
     "deserialize",
+    "drop_member",
     "failure_kind",
+    "forget_member",
     "global_call_hook_tables",
+    "group_key_prefix",
     "guard_reads",
     "hook_tables",
     "impl_id",
@@ -94,12 +98,14 @@ __all__ = [
     "quiet_torchscript",
     "raise_remote_exception",
     "register_rendezvous",
+    "release_user_rrefs",
     "remote",
     "remote_exception",
     "root_store",
     "rpc_async",
     "rpc_sync",
     "rref_future",
+    "rref_owner",
     "send_python",
     "send_torch",
     "serialize",
@@ -159,6 +165,84 @@ def current_agent() -> Any:
 def worker_infos() -> list[WorkerInfo]:
     """Every worker of the running world, in rank order."""
     return sorted(current_agent().get_worker_infos(), key=lambda info: info.id)
+
+
+# ---- a dynamic group's members (a world that heals) ------------------------------------
+# torch's dynamic groups (init_rpc with world_size=None) never drop a member that
+# died: its name stays taken. A graceful leave makes every member call
+# `_update_group_membership(info, [], {}, False)`; the same call drops a dead one.
+# The store keeps the group's names as "name-id," in names/_ALL_WORKER_INFOS
+# (under torch's rpc_prefix_N/), and a join holds RpcGroupManagementToken.
+
+_MEMBER_LIST = "names/_ALL_WORKER_INFOS"
+_MEMBER_TOKEN = "RpcGroupManagementToken"
+
+
+def drop_member(name: str, torch_id: int) -> bool:
+    """Make this process's agent forget member `name` (torch id `torch_id`), as a leave does."""
+    agent = current_agent()
+    for info in agent.get_worker_infos():
+        if info.name == name and int(info.id) == torch_id:
+            agent._update_group_membership(info, [], {}, False)
+            return True
+    return False
+
+
+_NO_DESTINATION = re.compile(r"could not find destination id (\d+)")
+
+
+def rref_owner(rref: Any) -> WorkerInfo | int:
+    """The owner of `rref`: torch's WorkerInfo, or only its id once the agent forgot it.
+
+    In a dynamic group whose member died and was dropped, torch's `owner()`
+    raises "could not find destination id N": that N is returned.
+    """
+    try:
+        owner: WorkerInfo = rref.owner()
+    except RuntimeError as exc:
+        found = _NO_DESTINATION.search(str(exc))
+        if found is None:
+            raise
+        return int(found.group(1))
+    return owner
+
+
+def release_user_rrefs(timeout: float) -> None:
+    """Delete this process's user RRefs at their owners, as torch's static shutdown does."""
+    try:
+        seconds = datetime.timedelta(seconds=timeout or _RREF_RELEASE_S)
+        _rpc_api._delete_all_user_and_unforked_owner_rrefs(seconds)  # type: ignore[attr-defined]
+    except RuntimeError:  # an owner that died with its objects: nothing to release there
+        pass
+
+
+_RREF_RELEASE_S = 5.0
+
+
+def group_key_prefix() -> str:
+    """The PrefixStore prefix under which the last `init_rpc` here keeps its group's keys."""
+    return f"rpc_prefix_{int(rpc._init_counter) - 1}"
+
+
+def forget_member(store: Store, name: str, torch_id: int) -> None:
+    """Take member `name` out of the group's list in `store` and free a join it left half done.
+
+    `store` holds the group's keys (the agent's store plus `group_key_prefix()`).
+    After this, a process may join under `name` with a fresh id.
+    """
+    entry = f"{name}-{torch_id},"
+    while store.check([_MEMBER_LIST]):
+        listed = store.get(_MEMBER_LIST).decode()
+        if entry not in listed:
+            break
+        if store.compare_set(_MEMBER_LIST, listed, listed.replace(entry, "")).decode() != listed:
+            continue  # another join changed the list meanwhile: read it again
+        break
+    for what in ("join", "leave"):
+        held = f"Token_for_{name}_{what}"
+        if store.check([_MEMBER_TOKEN]) and store.get(_MEMBER_TOKEN).decode() == held:
+            store.compare_set(_MEMBER_TOKEN, held, "")
+            store.set(held, "Done")  # a member waiting for the token reads this key
 
 
 def agent_store() -> Store:
@@ -364,6 +448,7 @@ class Hooks(NamedTuple):
     carry: Callable[[BaseException], object]  # a failure as a value to set on a Future
     cancel_call: Callable[[Any], bool]  # ask a tagged call's callee to stop it
     handoff: Callable[..., Any]  # the `asyncrpc-store://` rendezvous handler
+    check_owner: Callable[[Any], None]  # before to_here: raise if the owner process died
 
 
 _hooks: Hooks | None = None  # while installed
@@ -675,6 +760,7 @@ def _cancel_collected(early: weakref.ref[Any], claim: threading.Lock, hooks: Hoo
 def _checked_to_here(to_here: Callable[..., Any], hooks: Hooks) -> Callable[..., Any]:
     @functools.wraps(to_here)
     def checked_to_here(self: Any, timeout: float = UNSET_TIMEOUT) -> Any:
+        hooks.check_owner(self)
         try:
             value = to_here(self, timeout)
         except RuntimeError as exc:

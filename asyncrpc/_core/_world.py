@@ -18,6 +18,7 @@ count and default timeout from the agent's options::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -31,7 +32,17 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from . import _cancel, _hang, _net, _registry, _rendezvous, _snapshot, _threadstates, _torch
+from . import (
+    _cancel,
+    _hang,
+    _membership,
+    _net,
+    _registry,
+    _rendezvous,
+    _snapshot,
+    _threadstates,
+    _torch,
+)
 from ._cancel import Sent
 from ._context import Context, Settings, names_for, resolve_world_size
 from ._errors import (
@@ -43,10 +54,20 @@ from ._errors import (
 from ._failures import check_reply, hold, name_failure
 from ._futures import await_future
 from ._liveness import Liveness
+from ._membership import Joining, Members, Replaced
 from ._torch import PrefixStore, Store, WorkerInfo
 from ._unwaited import log_unwaited_failures
 
-__all__ = ["Context", "Settings", "current_context", "init", "shutdown", "start"]
+__all__ = [
+    "Context",
+    "Replaced",
+    "Settings",
+    "current_context",
+    "init",
+    "on_replaced",
+    "shutdown",
+    "start",
+]
 
 _LOOPBACK = "127.0.0.1"
 
@@ -68,6 +89,12 @@ class World:
     # torch's WorkerInfo per name, filled on first use: handing torch a WorkerInfo
     # spares it a lookup by name on every call.
     infos: dict[str, WorkerInfo] = dataclasses.field(default_factory=dict)
+    members: Members | None = None  # a world that heals (restart="worker"): see _membership
+    key_rank: int = -1  # this process's torch id: its calls' cancel keys (see _cancel)
+    tag: str = ""  # the world's key space in the store: asyncrpc/<tag>/...
+    # What undoes the world: each step of `start` pushes its undo once done, and a
+    # failed start and `shutdown` both unwind this one stack.
+    stack: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
 
     def info(self, name: str) -> WorkerInfo:
         """torch's WorkerInfo of worker `name` (one of `context.names`)."""
@@ -116,9 +143,15 @@ def _adopt() -> World:
     names = tuple(str(info.name) for info in infos)
     context = Context(int(me.id), len(names), str(me.name), names, _leave=_leave)
     world = World(context, _torch.agent_threads(), hang_after=_hang_after_from_env())
+    world.key_rank = int(me.id)
     _install_hooks()  # first: a world is only cached once torch is patched for it
+    world.stack.callback(_torch.uninstall)
     _adopted = (agent, world)
+    world.stack.callback(_cancel.stop_watching)
+    world.stack.callback(_unregister, world)
     _watch(world, _cancel.SIDE_PREFIX, agent_gone=_torch_shut_down)
+    if world.hang_after:
+        world.stack.callback(_hang.stop)
     return world
 
 
@@ -159,7 +192,7 @@ def _watch(world: World, prefix: str, agent_gone: Callable[[], bool] | None = No
     """Start the side channel's watcher and register the world for asyncrpc-dump/top."""
     ctx = world.context
     reporter = _snapshot.Reporter(ctx.rank, ctx.names, world.threads)
-    _cancel.watch(prefix, reporter, agent_gone)
+    _cancel.watch(prefix, reporter, agent_gone, member=_member_news)
     channel = _cancel.side_channel()
     if channel is None or world.registration is not None:
         return
@@ -174,6 +207,27 @@ def _install_hooks() -> None:
     _torch.install(_HOOKS)
     if os.environ.get("ASYNCRPC_LOG_UNWAITED", "").lower() in ("1", "true", "yes"):
         log_unwaited_failures(True)
+
+
+def _check_owner(rref: Any) -> None:
+    owner_of(rref, "the value of this RRef")
+
+
+def owner_of(rref: Any, what: str) -> str:
+    """The name of `rref`'s owner; `ObjectLostError` when that process died (a world that heals).
+
+    `what` names the object in the error ("the object of this handle").
+    """
+    owner = _torch.rref_owner(rref)
+    world = _world
+    if world is not None and world.members is not None:
+        world.members.check_owner(owner if isinstance(owner, int) else int(owner.id), what)
+    if isinstance(owner, int):
+        raise WorkerUnreachableError(
+            f"{what} lives on a process (torch id {owner}) that is not in the world any more",
+            "",
+        )
+    return str(owner.name)
 
 
 def _name_read(error: BaseException, sent: Sent) -> BaseException:
@@ -192,6 +246,7 @@ _HOOKS = _torch.Hooks(
     carry=hold,
     cancel_call=_cancel.request,
     handoff=_rendezvous.handoff_handler,
+    check_owner=_check_owner,
 )
 
 
@@ -294,30 +349,35 @@ def start(
     hosts_store: bool,
     attempt: int | None = None,
     watch_peers: bool = False,
+    joining: Joining | None = None,
 ) -> Context:
     """Start RPC with everything resolved; `init` and `run` both end here.
 
     `watch_peers`: beat in the store and watch the peers' beats (`_liveness`);
     a failure is recorded (`current_liveness().failure`), and a graceful
-    shutdown raises it instead of waiting for a dead peer.
+    shutdown raises it instead of waiting for a dead peer. `joining`: join a
+    world that heals (`_membership`), as its supervisor or launcher says.
+
+    Everything the start sets up is undone by one stack (`World.stack`):
+    a failure at any step unwinds what the steps before it did, and so does
+    `shutdown`.
     """
     global _world, _was_shut_down
     with _lock:
-        if _world is not None or _torch.agent_running():
-            name = _world.context.name if _world is not None else rpc.get_worker_info().name
-            raise AsyncRPCError(
-                f"this process already runs RPC as {name!r}; call asyncrpc.shutdown() "
-                f"(or torch's rpc.shutdown()) before starting another world"
-            )
+        _refuse_second_world()
         if hosts_store:
             store = _rendezvous.host_store(master_addr, master_port, settings.init_timeout)
         else:
             store = _rendezvous.client_store(master_addr, master_port, settings.init_timeout)
-        tag = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
-        names = _rendezvous.agree(
-            store, rank, world_size, name, settings.init_timeout, tag, hosts=hosts_store
-        )
-        attempt = attempt if attempt is not None else int(tag or 0)
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+        tag = joining.tag if joining is not None else restarts
+        if joining is not None and joining.replacement:
+            names = _membership.read_names(_heal_space(store, tag), settings.init_timeout)
+        else:
+            names = _rendezvous.agree(
+                store, rank, world_size, name, settings.init_timeout, tag, hosts=hosts_store
+            )
+        attempt = attempt if attempt is not None else int(restarts or 0)
         roles_seen = tuple((roles or {}).items())
         context = Context(rank, world_size, name, names, roles_seen, attempt, _leave=_leave)
         # Peers may call in as soon as the agent starts, before init_rpc returns
@@ -325,49 +385,94 @@ def start(
         world = World(
             context, settings.num_worker_threads, store, settings,
             hang_after=settings.hang_report_after or _hang_after_from_env(),
+            tag=joining.tag if joining is not None else str(attempt),
         )  # fmt: skip
         try:
-            _install_hooks()
-            _world = world
-            if settings.log_unwaited_failures is not None:
-                log_unwaited_failures(settings.log_unwaited_failures)
-            _start_agent(world, master_addr)
-            if settings.keep_thread_states:
-                _threadstates.keep(context.name, settings.num_worker_threads)
-            _watch(world, f"asyncrpc/{attempt}/side/")
-            if watch_peers:
-                world.liveness = Liveness(
-                    store, rank, names, str(attempt), timeout=settings.heartbeat_timeout,
-                    on_failure=_recorded,
-                ).start()  # fmt: skip
-            if settings.freeze_gc and gc.get_freeze_count() == 0:  # a program's own: kept
-                gc.freeze()
-                world.froze_gc = True
+            _build(world, master_addr, watch_peers, joining)
         except BaseException:
-            _world = None
-            if world.registration is not None:
-                _registry.unregister(world.registration)
-            if world.liveness is not None:
-                world.liveness.stop(left=False)
-            _put_back(world)
-            _torch.uninstall()
+            world.stack.close()
             raise
         _was_shut_down = False
         return context
 
 
-def _start_agent(world: World, master_addr: str) -> None:
+def _refuse_second_world() -> None:
+    if _world is not None or _torch.agent_running():
+        name = _world.context.name if _world is not None else rpc.get_worker_info().name
+        raise AsyncRPCError(
+            f"this process already runs RPC as {name!r}; call asyncrpc.shutdown() "
+            f"(or torch's rpc.shutdown()) before starting another world"
+        )
+
+
+def _build(world: World, master_addr: str, watch_peers: bool, joining: Joining | None) -> None:
+    """The steps of `start`, each pushing its undo onto `world.stack` once it is done."""
+    global _world
+    ctx, settings, stack = world.context, world.settings, world.stack
+    assert settings is not None and world.store is not None
+    _install_hooks()
+    stack.callback(_torch.uninstall)
+    _world = world
+    stack.callback(_forget, world)
+    if settings.log_unwaited_failures is not None:
+        log_unwaited_failures(settings.log_unwaited_failures)
+    stack.callback(_put_back, world)
+    _start_agent(world, master_addr, joining)
+    stack.callback(_stop_agent)
+    if settings.keep_thread_states:
+        _threadstates.keep(ctx.name, settings.num_worker_threads)
+        stack.callback(_threadstates.forget)
+    stack.callback(_cancel.stop_watching)
+    stack.callback(_unregister, world)
+    _watch(world, f"asyncrpc/{world.tag}/side/")
+    if world.hang_after:
+        stack.callback(_hang.stop)
+    if joining is not None:
+        _join_members(world, joining)
+    if watch_peers:
+        world.liveness = Liveness(
+            world.store, ctx.rank, ctx.names, world.tag, timeout=settings.heartbeat_timeout,
+            on_failure=_recorded,
+        ).start()  # fmt: skip
+        stack.callback(world.liveness.stop, left=False)
+    if settings.freeze_gc and gc.get_freeze_count() == 0:  # a program's own: kept
+        gc.freeze()
+        world.froze_gc = True
+
+
+def _forget(world: World) -> None:
+    global _world
+    if _world is world:
+        _world = None
+
+
+def _stop_agent() -> None:
+    """Stop torch's agent if it still runs (a start that failed after starting it)."""
+    if _torch.agent_running():
+        rpc.shutdown(graceful=False)
+
+
+def _unregister(world: World) -> None:
+    if world.registration is not None:
+        _registry.unregister(world.registration)
+        world.registration = None
+
+
+def _start_agent(world: World, master_addr: str, joining: Joining | None) -> None:
     ctx, settings = world.context, world.settings
     assert settings is not None and world.store is not None
     _bind_interface(world, master_addr, ctx.world_size, settings.interface)
     _set_intra_op_threads(world, settings.intra_op_threads)
+    world.key_rank = joining.torch_id if joining is not None else ctx.rank
     options = _torch.backend_options(
         settings.num_worker_threads,
         settings.rpc_timeout,
         # Keys of its own per attempt: after a restart, torch's agent must not
         # read the addresses the previous attempt's workers left in the store.
         _rendezvous.hand_off(
-            PrefixStore(f"asyncrpc/{ctx.attempt}/rpc/", world.store), ctx.rank, ctx.world_size
+            PrefixStore(f"asyncrpc/{world.tag}/rpc/", world.store),
+            world.key_rank,
+            ctx.world_size,
         ),
         settings.transports,
         settings.channels,
@@ -376,8 +481,76 @@ def _start_agent(world: World, master_addr: str) -> None:
         # torch's agent set-up uses a Gloo backend internally and warns about it.
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
         rpc.init_rpc(  # type: ignore[no-untyped-call]
-            ctx.name, rank=ctx.rank, world_size=ctx.world_size, rpc_backend_options=options
+            ctx.name,
+            rank=world.key_rank,
+            # A world that heals is one of torch's dynamic groups: members join and leave.
+            world_size=None if joining is not None else ctx.world_size,
+            rpc_backend_options=options,
         )
+
+
+# ---- a world that heals (restart="worker"; see _membership) ----------------------------
+
+
+def _heal_space(store: Store, tag: str) -> Store:
+    return PrefixStore(f"asyncrpc/{tag}/{_membership.HEAL_PREFIX}", store)
+
+
+def _join_members(world: World, joining: Joining) -> None:
+    """After torch's join: publish this member, meet the others (or welcome them)."""
+    ctx, settings = world.context, world.settings
+    assert world.store is not None and settings is not None
+    space = _heal_space(world.store, world.tag)
+    _membership.publish(space, ctx, joining.torch_id, _torch.group_key_prefix())
+    if not joining.replacement:
+        _membership.wait_for_all(space, len(ctx.names), settings.init_timeout)
+    world.members = _membership.read_members(space, ctx.names)
+    world.stack.callback(world.members.stop)
+    if joining.replacement:
+        _welcome_all(world, settings.rpc_timeout)
+
+
+def _welcome_all(world: World, timeout: float) -> None:
+    """Tell every other member that this replacement is up (before `main` runs here)."""
+    ctx = world.context
+    futures = []
+    for name in ctx.names:
+        if name == ctx.name:
+            continue
+        try:
+            args = (ctx.name, world.key_rank, ctx.attempt)
+            futures.append(_torch.rpc_async(name, _welcome, args=args, timeout=timeout))
+        except RuntimeError:  # not in the group now: being replaced itself
+            continue
+    for fut in futures:
+        try:
+            fut.wait()
+        except Exception:  # a member that died meanwhile: its own heal follows
+            continue
+
+
+def _welcome(name: str, torch_id: int, attempt: int) -> None:
+    """Run on a member: `name`'s replacement (torch id, attempt) has joined."""
+    world = _world
+    if world is None or world.members is None:
+        return
+    world.infos.pop(name, None)
+    event = world.members.joined(name, torch_id, attempt)
+    if event is not None:
+        world.members.announce(event)
+
+
+def _member_news(text: str) -> None:
+    """The side channel's "member gone" from the supervisor: forget the dead process, ack."""
+    parsed = _membership.parse_gone(text)
+    world = _world
+    if parsed is None or world is None or world.members is None or world.store is None:
+        return
+    seq, torch_id, name, why = parsed
+    if world.members.gone(name, torch_id, why):
+        _torch.drop_member(name, torch_id)
+        world.infos.pop(name, None)
+    _heal_space(world.store, world.tag).set(f"{seq}/ack/{world.context.name}", "1")
 
 
 def single_node(master_addr: str, world_size: int) -> bool:
@@ -485,9 +658,12 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             if world is not None or _torch.agent_running():
                 if graceful and world is not None and world.liveness is not None:
                     dead_peer = world.liveness.meet_to_leave(timeout)
-                # A graceful shutdown still serves peers' calls while it waits, so the
-                # world stays visible to them (current_context, call checks) until it ends.
-                rpc.shutdown(graceful=graceful and dead_peer is None, timeout=timeout)
+                if world is not None and world.members is not None:
+                    _leave_members(world, graceful, timeout)
+                else:
+                    # A graceful shutdown still serves peers' calls while it waits, so the
+                    # world stays visible to them (current_context, call checks) until it ends.
+                    rpc.shutdown(graceful=graceful and dead_peer is None, timeout=timeout)
                 _was_shut_down = True
         finally:
             _end_world(world, left=dead_peer is None)
@@ -500,7 +676,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
 
 
 def _end_world(world: World | None, left: bool) -> None:
-    """Undo what the world set up, after torch's agent has stopped."""
+    """Undo what the world set up (its stack), after torch's agent has stopped."""
     global _world, _adopted
     try:
         # What ends with the world (streams' generators: their `finally` blocks)
@@ -510,20 +686,35 @@ def _end_world(world: World | None, left: bool) -> None:
         for release in list(_at_end):
             release()
     finally:
-        ended = _world
+        ended = _world if _world is not None else world
         _world = _adopted = None
-        if ended is not None and ended.registration is not None:
-            _registry.unregister(ended.registration)
-            ended.registration = None
-        if world is not None and world.liveness is not None:
-            world.liveness.stop(left=left)
-        _cancel.stop_watching()  # it served cancels while the shutdown served calls
-        _threadstates.forget()
-        if world is not None and world.hang_after:
-            _hang.stop()
-        if world is not None:
-            _put_back(world)
-        _torch.uninstall()
+        if ended is None:  # torch's own world, never adopted: nothing was set up but these
+            _cancel.stop_watching()
+            _torch.uninstall()
+        else:
+            if ended.liveness is not None:
+                ended.liveness.stop(left=left)
+            ended.stack.close()
+
+
+def _leave_members(world: World, graceful: bool, timeout: float) -> None:
+    """Leave a world that heals: gracefully, once every member's `main` is done."""
+    assert world.store is not None
+    if graceful:
+        space = _heal_space(world.store, world.tag)
+        graceful = _membership.meet_to_end(space, world.context, timeout)
+    if graceful and world.members is not None and not world.members.lost:
+        # torch's leave of a dynamic group skips what its static shutdown does here:
+        # every member still serves, so owners can take the deletes of their RRefs.
+        # (Not after a heal: a delete sent to a dead owner fails with a C++ trace.)
+        _torch.release_user_rrefs(timeout)
+    try:
+        # torch's graceful leave of a dynamic group tells every member, one at a time.
+        rpc.shutdown(graceful=graceful, timeout=timeout)
+    except RuntimeError:
+        # A member died while this one left: the agent is stopped all the same
+        # (torch finalizes in its own finally), and the supervisor reports the death.
+        pass
 
 
 def _recorded(failure: str) -> None:
@@ -553,6 +744,47 @@ def at_world_end(release: Callable[[], None]) -> None:
 
 def _leave(graceful: bool) -> None:
     shutdown(graceful=graceful)
+
+
+def on_replaced(callback: Callable[[Replaced], object]) -> Callable[[], None]:
+    """Call `callback(event)` on this worker each time another worker is replaced in place.
+
+    For a world that heals (`asyncrpc.run(..., restart="worker")` or
+    `asyncrpc-launch --restart worker`). `event` is a `Replaced`: the
+    worker's `name`, `rank` and `attempt`. The callback runs on a thread of
+    its own once the replacement has joined, before its `main` starts, so it
+    may call the replacement, e.g. to create there again the objects lost
+    with the dead process. Returns a function that unregisters the callback.
+
+    Example::
+
+        def main(ctx):
+            def respawn(event: asyncrpc.Replaced) -> None:
+                actors[event.name] = asyncrpc.spawn(event.name, Actor)
+
+            asyncrpc.on_replaced(respawn)
+    """
+    world = current_world("asyncrpc.on_replaced()")
+    if not callable(callback):
+        raise TypeError(
+            f"on_replaced takes a function callback(event), got {type(callback).__name__} "
+            f"{callback!r:.60}"
+        )
+    members = world.members
+    if members is None:
+        raise AsyncRPCError(
+            "asyncrpc.on_replaced() needs a world that heals, where a dead worker is replaced "
+            "in place; this one restarts as a whole or not at all: start it with "
+            "asyncrpc.run(main, world_size=N, max_restarts=K, restart='worker') or "
+            "asyncrpc-launch --max-restarts K --restart worker"
+        )
+    members.callbacks.append(callback)
+
+    def unregister() -> None:
+        if callback in members.callbacks:
+            members.callbacks.remove(callback)
+
+    return unregister
 
 
 def describe_self() -> str:

@@ -40,7 +40,9 @@ def run_launched(
     world_size: int | None,
     roles: Mapping[str, int] | None,
     settings: _context.Settings,
+    restart: str | None = None,
 ) -> None:
+    _check_restart(restart)
     _parent.watch_launcher()  # asyncrpc-launch's workers end with it, SIGKILL included
     try:
         ctx = _world.init(world_size=world_size, roles=roles, **_as_options(settings))
@@ -67,6 +69,28 @@ def run_launched(
     # beating and watching through it, so a peer dying now ends this one too.
     _world.shutdown()
     live.stop()
+
+
+RESTART_VARIABLE = "ASYNCRPC_RESTART"  # asyncrpc-launch --restart: "world" or "worker"
+
+
+def _check_restart(restart: str | None) -> None:
+    """Refuse a `run(restart=...)` that its launcher does not do: the launcher decides."""
+    by_asyncrpc = bool(os.environ.get(_parent.LAUNCHER_VARIABLE))
+    launcher = os.environ.get(RESTART_VARIABLE) or "world"
+    if restart == "worker" and not by_asyncrpc:
+        raise ValueError(
+            "asyncrpc.run(restart='worker') was called under torchrun, whose agent restarts "
+            "every worker of the world when one fails; launch with asyncrpc-launch "
+            "--max-restarts K --restart worker instead (or run the script itself: "
+            "python script.py)"
+        )
+    if restart is not None and by_asyncrpc and restart != launcher:
+        raise ValueError(
+            f"asyncrpc.run(restart={restart!r}) disagrees with its launcher, started with "
+            f"asyncrpc-launch --restart {launcher}: the launcher restarts the workers; pass "
+            f"--restart {restart} to asyncrpc-launch, or drop restart= from asyncrpc.run"
+        )
 
 
 def _report_raised(ctx: _context.Context, live: Liveness, error: BaseException) -> None:

@@ -36,11 +36,12 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._core import _context, _rendezvous, _world
 from .._core._errors import WorkerFailedError
-from . import _parent
+from .._core._membership import Joining
+from . import _healer, _parent
 from ._launched import launched, run_launched
 
 __all__ = ["run"]
@@ -56,6 +57,7 @@ def run(
     args: tuple[Any, ...] = (),
     roles: Mapping[str, int] | None = None,
     max_restarts: int = 0,
+    restart: str | None = None,
     **options: Any,
 ) -> None:
     """Run `main(ctx, *args)` on every worker of a world, then shut RPC down cleanly.
@@ -66,8 +68,11 @@ def run(
     raises or dies, the others are stopped and `WorkerFailedError` names it;
     with `max_restarts=N` the world is started again instead, up to N times
     (same names; `ctx.attempt` counts the restarts, so `main` can resume from
-    its own checkpoint). Under a launcher, the launcher restarts:
-    `asyncrpc-launch --max-restarts N`. Options (`num_worker_threads`,
+    its own checkpoint). With `restart="worker"` only the worker that died is
+    replaced, under its name and rank, while the others keep running with
+    their state (docs: "Healing in place"); `ctx.attempt` then counts that
+    worker's own restarts. Under a launcher, the launcher restarts:
+    `asyncrpc-launch --max-restarts N [--restart worker]`. Options (`num_worker_threads`,
     `rpc_timeout`, ...): see `Settings`. Example::
 
         def main(ctx):
@@ -84,16 +89,22 @@ def run(
             f"max_restarts must be an int >= 0, got {max_restarts!r}; "
             "e.g. max_restarts=2 starts the world at most 3 times"
         )
+    _check_restart(restart)
     settings = _context.Settings.from_options(options)
     size = _context.resolve_world_size(world_size, roles)
     if launched():
-        run_launched(main, args, size, roles, settings)
+        run_launched(main, args, size, roles, settings, restart)
         return
     if size is None:
         raise ValueError(
             "asyncrpc.run needs world_size=N (or roles=...) to start a local world; "
             "under a launcher it takes the launcher's"
         )
+    if restart == "worker":
+        failure = _run_embedded(main, args, size, roles, settings, 0, _GRACE_S, max_restarts)
+        if failure is not None:
+            raise failure
+        return
     for attempt in range(max_restarts + 1):
         # Survivors get a grace period to report their own failure, unless the
         # world is about to start again: then they are stopped at once.
@@ -110,6 +121,14 @@ def run(
             f"(restart {attempt + 1} of {max_restarts})",
             file=sys.stderr,
             flush=True,
+        )
+
+
+def _check_restart(restart: object) -> None:
+    if restart not in (None, "world", "worker"):
+        raise ValueError(
+            f"restart must be 'world' (start every worker again, the default) or 'worker' "
+            f"(replace only the worker that died, the others keep their state), got {restart!r}"
         )
 
 
@@ -143,7 +162,9 @@ def _run_embedded(
     settings: _context.Settings,
     attempt: int,
     grace: float,
+    heal: int | None = None,
 ) -> WorkerFailedError | None:
+    """One world of local workers; `heal`: replace dead ones in place, at most that many times."""
     host = "127.0.0.1"
     # Pickled here, loaded in the worker's own try: a worker that cannot load them
     # sends the reason back instead of dying in multiprocessing's start-up.
@@ -158,27 +179,38 @@ def _run_embedded(
     # too): then the read sees the end of the pipe, and the worker stops itself.
     alive, held = spawner.Pipe(duplex=False)
     environ = dict(os.environ)
+    healer = _healer.Healer(store, "0", names, heal) if heal is not None else None
+
+    def spawn(rank: int, attempt: int, joining: Joining | None) -> tuple[BaseProcess, Connection]:
+        reader, writer = spawner.Pipe(duplex=False)
+        spec = (rank, world_size, names[rank], host, store.port, settings, roles, attempt,
+                environ, outputs, alive, joining)  # fmt: skip
+        proc = spawner.Process(target=_worker, args=(payload, spec, writer), name=names[rank])
+        # Listed before it starts: a Ctrl-C inside start() (the worker may already
+        # run) must still stop it, or multiprocessing's exit would wait for it.
+        procs.append(proc)
+        with _forkserver_dies_with_this_process():
+            proc.start()
+        writer.close()
+        return proc, reader
+
     try:
         for rank in range(world_size):
-            reader, writer = spawner.Pipe(duplex=False)
-            spec = (rank, world_size, names[rank], host, store.port, settings, roles, attempt,
-                    environ, outputs, alive)  # fmt: skip
-            proc = spawner.Process(target=_worker, args=(payload, spec, writer), name=names[rank])
-            # Listed before it starts: a Ctrl-C inside start() (the worker may already
-            # run) must still stop it, or multiprocessing's exit would wait for it.
-            procs.append(proc)
-            with _forkserver_dies_with_this_process():
-                proc.start()
-            writer.close()
-            errors.append(reader)
-        _close_outputs(outputs)  # every worker has its own copy by now
-        alive.close()
-        return _supervise(procs, errors, names, grace)
+            joining = Joining(rank, "0", replacement=False) if healer is not None else None
+            errors.append(spawn(rank, attempt, joining)[1])
+        if healer is None:
+            _close_outputs(outputs)  # every worker has its own copy by now
+            alive.close()
+            return _supervise(procs, errors, names, grace)
+        current = procs[:]  # by rank; `procs` keeps every process started, to stop them
+        return _supervise(current, errors, names, grace, _Healing(healer, spawn))
     except BaseException:
-        _close_outputs(outputs)
         _stop(procs)
         raise
     finally:
+        _close_outputs(outputs)
+        if not alive.closed:
+            alive.close()
         held.close()
 
 
@@ -301,7 +333,20 @@ def _worker(
     payload: bytes, spec: tuple[Any, ...], errors: multiprocessing.connection.Connection
 ) -> None:
     parent = os.getppid()  # the forkserver, or this process's spawner
-    rank, world_size, name, host, port, settings, roles, attempt, environ, outputs, alive = spec
+    (
+        rank,
+        world_size,
+        name,
+        host,
+        port,
+        settings,
+        roles,
+        attempt,
+        environ,
+        outputs,
+        alive,
+        joining,
+    ) = spec
     _parent.die_with_parent(parent)  # the kernel's signal: needs no GIL
     _watch_parent(alive)
     # Forked from the warm interpreter, a worker has that interpreter's environment and
@@ -329,6 +374,7 @@ def _worker(
             roles=roles,
             hosts_store=False,
             attempt=attempt,
+            joining=joining,
         )
         try:
             main(ctx, *args)
@@ -366,11 +412,19 @@ def _watch_parent(alive: Connection) -> None:
 _WAKE_S = 0.25  # how often the supervisor's wait returns, to take a Ctrl-C
 
 
+class _Healing(NamedTuple):
+    """What a supervisor that heals needs: the healer, and how to start a worker."""
+
+    healer: _healer.Healer
+    spawn: Callable[[int, int, Joining | None], tuple[BaseProcess, Connection]]
+
+
 def _supervise(
     procs: list[BaseProcess],
     errors: list[multiprocessing.connection.Connection],
     names: tuple[str, ...],
     grace: float,
+    healing: _Healing | None = None,
 ) -> WorkerFailedError | None:
     running: dict[object, int] = {proc.sentinel: rank for rank, proc in enumerate(procs)}
     failures: list[WorkerFailedError] = []
@@ -384,14 +438,56 @@ def _supervise(
         exited = sorted((running.pop(s) for s in ready), key=lambda r: _signal_first(procs[r]))
         for rank in exited:
             procs[rank].join()
-            if procs[rank].exitcode != 0:
-                failures.append(_failure(rank, names[rank], procs[rank], errors[rank]))
+            if procs[rank].exitcode == 0 and (healing is None or healing.healer.ending()):
+                continue
+            failure = _failure(rank, names[rank], procs[rank], errors[rank])
+            if healing is not None and not failures:
+                if _heal(healing, rank, failure, procs, errors, running):
+                    continue
+            failures.append(failure)
         if failures and deadline is None:
             deadline = time.monotonic() + grace
         if deadline is not None and time.monotonic() >= deadline and running:
             _stop([procs[r] for r in running.values()])
             running.clear()
     return _report(failures)
+
+
+def _heal(
+    healing: _Healing,
+    rank: int,
+    failure: WorkerFailedError,
+    procs: list[BaseProcess],
+    errors: list[multiprocessing.connection.Connection],
+    running: dict[object, int],
+) -> bool:
+    """Replace worker `rank` in place; False when the world may not heal any more."""
+    healer = healing.healer
+    alive = {healer.names[r] for r in running.values()}
+    how = failure.summary().split(f"(rank {rank}) ", 1)[-1]
+    joining = healer.replace(rank, how, alive)
+    if joining is None:
+        if healer.count > healer.max_restarts:
+            failure.add_note(
+                f"the world replaced workers {healer.max_restarts} times (max_restarts="
+                f"{healer.max_restarts}); this failure ended it"
+            )
+        return False
+    try:
+        if failure.remote_traceback:
+            print(failure.remote_traceback.rstrip(), file=sys.stderr, flush=True)
+        print(
+            f"asyncrpc: {failure.summary()}; replacing it in place "
+            f"(restart {healer.count} of {healer.max_restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
+        name = healer.names[rank]
+        procs[rank], errors[rank] = healing.spawn(rank, healer.attempts[name], joining)
+    finally:
+        healer.started()
+    running[procs[rank].sentinel] = rank
+    return True
 
 
 def _signal_first(proc: BaseProcess) -> int:

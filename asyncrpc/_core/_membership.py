@@ -1,0 +1,327 @@
+"""Who is in a world that heals: members replaced under their names, and what calls see.
+
+In a world started with `restart="worker"` torch's RPC group is dynamic:
+every process joins under its name with a torch id of its own, and a dead
+worker's replacement joins under the same name with a fresh id (an id
+torch saw once is never reused: survivors keep a broken pipe to it). The
+supervisor (or launcher) that saw the death drives the heal::
+
+    supervisor (hosts the store)          survivor (watcher thread)            replacement
+    worker3 (id 3) died
+      side channel: "member gone ..." ───> torch forgets worker3 (id 3);
+                                           calls to worker3 fail named, its
+                                           objects (id 3's RRefs) are lost
+      <── ack ────────────────────────────
+      store: worker3-3 off torch's list
+      spawn worker3, id 7, attempt 1 ──────────────────────────────────────> joins (dynamic)
+                                           <── welcome(worker3, 7, 1) (RPC) ── before main
+                                           on_replaced callbacks (a thread)     main(ctx)
+
+Calls to a worker while it is replaced fail at once with
+`WorkerUnreachableError` naming it (they never wait, and never run twice);
+calls through a handle or RRef to an object the dead process held raise
+`ObjectLostError`, also after the heal. `Members` is the world's record of
+this; `Members.check_call` and `check_owner` are what calls consult.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ._errors import ObjectLostError, RendezvousError, WorkerUnreachableError
+
+if TYPE_CHECKING:
+    from ._context import Context
+    from ._torch import Store
+
+__all__ = [
+    "HEAL_PREFIX",
+    "Joining",
+    "Members",
+    "Replaced",
+    "begin_heal",
+    "end_heal",
+    "gone_message",
+    "meet_to_end",
+    "parse_gone",
+    "publish",
+    "read_members",
+    "read_names",
+    "read_state",
+    "wait_for_all",
+]
+
+HEAL_PREFIX = "heal/"  # under the world's key space: asyncrpc/<tag>/heal/
+_GONE = "member gone"
+_CALLBACK_JOIN_S = 5.0
+_POLL_S = 0.01
+# Keys, under asyncrpc/<tag>/heal/ in the world's store:
+#   names                    every member's name, in rank order (JSON)
+#   id/<name>, attempt/<name>, group/<name>   the process that answers for <name> now
+#   joined                   how many of the first processes have joined
+#   state                    {"done": {name: attempt}, "healing": n, "ending": bool}:
+#                            whose main has returned, heals under way, the world ends
+#   <seq>/ack/<name>         <name> has forgotten the process of heal <seq>
+#   seq, restarts, ids       the supervisors' counters
+
+
+class Joining(NamedTuple):
+    """How a worker joins a world that heals (given by its supervisor or launcher).
+
+    `torch_id`: its id in torch's group (its rank at first; fresh for a
+    replacement). `tag`: the world's key space. `replacement`: it replaces a
+    dead worker (the others already run; it does not wait for them).
+    """
+
+    torch_id: int
+    tag: str
+    replacement: bool
+
+
+class Replaced(NamedTuple):
+    """A worker of this world was replaced: its `name`, `rank` and `attempt` (1 for the first).
+
+    What `asyncrpc.on_replaced` callbacks receive.
+    """
+
+    name: str
+    rank: int
+    attempt: int
+
+
+def gone_message(name: str, torch_id: int, seq: int, why: str) -> str:
+    """The side-channel text telling a survivor that `name` (torch id) died."""
+    return f"{_GONE} {seq} {torch_id} {name} {why}"
+
+
+def parse_gone(text: str) -> tuple[int, int, str, str] | None:
+    """(seq, torch id, name, why) of a `gone_message`, or None for other texts."""
+    if not text.startswith(_GONE + " "):
+        return None
+    seq, torch_id, name, why = text[len(_GONE) + 1 :].split(" ", 3)
+    return int(seq), int(torch_id), name, why
+
+
+class Members:
+    """This worker's view of a healing world's members: ids, attempts, who is being replaced."""
+
+    def __init__(self, names: tuple[str, ...], ids: dict[str, int], attempt: dict[str, int]):
+        self.names = names
+        self.ids = dict(ids)  # name -> torch id of the process that answers now
+        self.attempts = dict(attempt)  # name -> its attempt (0: the first process)
+        self.replacing: dict[str, str] = {}  # name -> why it is being replaced
+        self.lost: dict[int, str] = {}  # torch id of a dead process -> its name
+        self.callbacks: list[Callable[[Replaced], object]] = []
+        self.lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def check_call(self, name: str) -> None:
+        """Raise `WorkerUnreachableError` for a call to `name` while it is being replaced."""
+        why = self.replacing.get(name)
+        if why is not None:
+            raise WorkerUnreachableError(
+                f"worker {name!r} {why} and is being replaced; calls to it fail until its "
+                f"replacement has joined (nothing was sent, so nothing ran): retry, or "
+                f"wait for it with asyncrpc.on_replaced",
+                name,
+            )
+
+    def check_owner(self, owner_id: int, what: str) -> None:
+        """Raise `ObjectLostError` when `what` lived in process `owner_id` (torch's id), dead."""
+        name = self.lost.get(owner_id)
+        if name is not None:
+            now = self.attempts.get(name, 0)
+            raise ObjectLostError(
+                f"{what} lived on worker {name!r}, whose process died; its replacement "
+                f"(attempt {now}) starts without it: create the object there again "
+                f"(asyncrpc.on_replaced tells when the replacement is up)",
+                name,
+            )
+
+    def gone(self, name: str, torch_id: int, why: str) -> bool:
+        """Record that the process `torch_id` of `name` died; False if it was seen already."""
+        with self.lock:
+            if torch_id in self.lost or self.ids.get(name) != torch_id:
+                return False
+            self.lost[torch_id] = name
+            self.replacing[name] = why
+            return True
+
+    def joined(self, name: str, torch_id: int, attempt: int) -> Replaced | None:
+        """Record `name`'s replacement (torch id, attempt); the event, or None if stale."""
+        with self.lock:
+            if self.attempts.get(name, -1) >= attempt:
+                return None
+            old = self.ids.get(name)
+            if old is not None and old != torch_id:
+                self.lost.setdefault(old, name)
+            self.ids[name], self.attempts[name] = torch_id, attempt
+            self.replacing.pop(name, None)
+            return Replaced(name, self.names.index(name), attempt)
+
+    def announce(self, event: Replaced) -> None:
+        """Run the `on_replaced` callbacks for `event` on a thread of their own."""
+        callbacks = list(self.callbacks)
+        if not callbacks:
+            return
+        thread = threading.Thread(
+            target=_run_callbacks, args=(callbacks, event), name="asyncrpc-on-replaced",
+            daemon=True,
+        )  # fmt: skip
+        with self.lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def stop(self) -> None:
+        """Wait (bounded) for callbacks still running; the world is ending."""
+        with self.lock:
+            threads, self._threads = self._threads, []
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(_CALLBACK_JOIN_S)
+
+
+def _run_callbacks(callbacks: list[Callable[[Replaced], object]], event: Replaced) -> None:
+    import traceback
+
+    for callback in callbacks:
+        try:
+            callback(event)
+        except Exception:  # one callback's failure must not stop the others
+            traceback.print_exc()
+
+
+def describe(members: Members | None) -> dict[str, Any]:
+    """The members' attempts and who is being replaced (for asyncrpc-dump)."""
+    if members is None:
+        return {}
+    return {"attempts": dict(members.attempts), "replacing": sorted(members.replacing)}
+
+
+# ---- the store protocol: members' side ----------------------------------------------
+
+
+def publish(space: Store, ctx: Context, torch_id: int, group: str) -> None:
+    """Say who answers for `ctx.name` now: its torch id, attempt and group's key prefix."""
+    space.set(f"id/{ctx.name}", str(torch_id))
+    space.set(f"attempt/{ctx.name}", str(ctx.attempt))
+    space.set(f"group/{ctx.name}", group)
+    if ctx.attempt == 0:
+        space.set("names", json.dumps(list(ctx.names)))
+        space.add("joined", 1)
+
+
+def wait_for_all(space: Store, count: int, timeout: float) -> None:
+    """Wait until the first `count` members have joined torch's group (a world's start)."""
+    deadline = time.monotonic() + timeout
+    while int(space.add("joined", 0)) < count:
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"only {int(space.add('joined', 0))} of {count} workers joined the world "
+                f"within init_timeout={timeout} s; the others did not start (see their output)"
+            )
+        time.sleep(_POLL_S)
+
+
+def read_names(space: Store, timeout: float) -> tuple[str, ...]:
+    """Every member's name in rank order (a replacement learns them from the store)."""
+    _wait(space, ["names"], timeout)
+    return tuple(json.loads(space.get("names").decode()))
+
+
+def read_members(space: Store, names: tuple[str, ...]) -> Members:
+    """`Members` as the store has them now (ids and attempts of every name)."""
+    ids = [int(v) for v in space.multi_get([f"id/{n}" for n in names])]
+    attempts = [int(v) for v in space.multi_get([f"attempt/{n}" for n in names])]
+    return Members(
+        names, dict(zip(names, ids, strict=True)), dict(zip(names, attempts, strict=True))
+    )
+
+
+def meet_to_end(space: Store, ctx: Context, timeout: float = 0) -> bool:
+    """Mark `main` done here; wait until every member's is and the world is ending.
+
+    While a member is being replaced its replacement runs `main` again, and
+    the world waits for it. False when `timeout` (> 0) passed first.
+    """
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    _update(space, lambda state: state["done"].update({ctx.name: ctx.attempt}) or state)
+    names = set(ctx.names)
+
+    def end(state: dict[str, Any]) -> dict[str, Any] | None:
+        if state["ending"] or (names <= set(state["done"]) and state["healing"] == 0):
+            state["ending"] = True
+            return state
+        return None
+
+    while not _update(space, end)["ending"]:
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
+
+
+def _update(
+    space: Store, change: Callable[[dict[str, Any]], dict[str, Any] | None]
+) -> dict[str, Any]:
+    """Apply `change` to the world's state key atomically; the state after (None: unchanged).
+
+    One key holds who is done, how many heals run and whether the world is
+    ending, so that each of these moves checks the others in one step.
+    """
+    while True:
+        raw, state = _read(space)
+        changed = change(json.loads(json.dumps(state)))
+        if changed is None:
+            return state
+        text = json.dumps(changed, sort_keys=True)
+        if space.compare_set("state", raw, text).decode() == text:
+            return changed
+
+
+def _wait(space: Store, keys: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not space.check(keys):
+        if time.monotonic() > deadline:
+            raise RendezvousError(f"the world's store has no {keys} after {timeout} s")
+        time.sleep(_POLL_S)
+
+
+# ---- the store protocol: the supervisor's side ----------------------------------------
+
+
+def read_state(space: Store) -> dict[str, Any]:
+    """The world's state: `done` (name: attempt), `healing` (a count), `ending`."""
+    return _read(space)[1]
+
+
+def _read(space: Store) -> tuple[str, dict[str, Any]]:
+    raw = space.get("state").decode() if space.check(["state"]) else ""
+    return raw, (json.loads(raw) if raw else {"done": {}, "healing": 0, "ending": False})
+
+
+def begin_heal(space: Store, name: str) -> bool:
+    """Count a heal of `name` in (its `main` is not done any more); False once the world ends."""
+
+    def begin(state: dict[str, Any]) -> dict[str, Any] | None:
+        if state["ending"]:
+            return None
+        state["done"].pop(name, None)
+        state["healing"] += 1
+        return state
+
+    return not _update(space, begin)["ending"]
+
+
+def end_heal(space: Store) -> None:
+    """Count the heal out: its replacement has been started (or could not be)."""
+
+    def end(state: dict[str, Any]) -> dict[str, Any]:
+        state["healing"] -= 1
+        return state
+
+    _update(space, end)

@@ -1,0 +1,95 @@
+"""Replacing a dead worker in place (`restart="worker"`): the supervisor's or launcher's side.
+
+The supervisor saw one of its workers die. Before a replacement may join
+torch's group under the same name, every other member must forget the dead
+process and the store must stop listing it (`_core._membership` has the
+members' side)::
+
+    Healer.replace(rank, why)
+      state: heals + 1 (refused once the world is ending), restarts + 1 <= K
+      side channel ──"member gone <seq> <id> <name> <why>"──> every other member
+      wait for their acks (bounded: a member that died too is healed next)
+      store: "<name>-<id>," off torch's list, a join it left half done released
+      -> Joining(fresh torch id, tag, replacement=True): start the new process with it
+    Healer.started(): state: heals - 1
+
+`K` (max_restarts) bounds the replacements of the whole world: the count
+lives in the store, so launchers on several nodes share it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .._core import _cancel, _membership, _torch
+from .._core._membership import Joining
+from .._core._torch import PrefixStore, Store
+
+__all__ = ["Healer"]
+
+_ACK_S = 3.0  # how long survivors get to forget a dead member (a held GIL delays them)
+_POLL_S = 0.005
+
+
+class Healer:
+    """Replaces this supervisor's dead workers under their names, up to `max_restarts` in all."""
+
+    def __init__(self, store: Store, tag: str, names: tuple[str, ...], max_restarts: int) -> None:
+        self.root = store
+        self.tag = tag
+        self.names = names
+        self.max_restarts = max_restarts
+        self.space = PrefixStore(f"asyncrpc/{tag}/{_membership.HEAL_PREFIX}", store)
+        self.side = PrefixStore(f"asyncrpc/{tag}/side/", store)
+        self.rpc = PrefixStore(f"asyncrpc/{tag}/rpc/", store)  # as the workers' agents see it
+        self.attempts = {name: 0 for name in names}
+        self.used = 0  # replacements this supervisor started
+        self.count = 0  # the world's replacements so far, this supervisor's last included
+
+    def ending(self) -> bool:
+        """True once every member's `main` is done and the world ends (no more heals)."""
+        return bool(_membership.read_state(self.space)["ending"])
+
+    def replace(self, rank: int, why: str, alive: set[str]) -> Joining | None:
+        """Forget worker `rank`'s dead process everywhere; how its replacement joins.
+
+        None when the world may not heal: `max_restarts` replacements were
+        made, or every `main` is done and the world is ending. `alive`: the
+        names whose processes still run (their acks are waited for).
+        """
+        name = self.names[rank]
+        self.count = int(self.space.add("restarts", 1))
+        if self.count > self.max_restarts:
+            return None
+        if not _membership.begin_heal(self.space, name):
+            return None
+        try:
+            old = int(self.space.get(f"id/{name}").decode())
+            seq = int(self.space.add("seq", 1))
+            text = _membership.gone_message(name, old, seq, " ".join(why.split()))
+            self._tell(text, alive - {name})
+            self._wait_for_acks(seq, alive - {name})
+            group = PrefixStore(self.space.get(f"group/{name}").decode(), self.rpc)
+            _torch.forget_member(group, name, old)
+            fresh = len(self.names) - 1 + int(self.space.add("ids", 1))
+        except BaseException:
+            _membership.end_heal(self.space)
+            raise
+        self.attempts[name] += 1
+        self.used += 1
+        return Joining(fresh, self.tag, replacement=True)
+
+    def started(self) -> None:
+        """The replacement of the last `replace` has been started (or failed to start)."""
+        _membership.end_heal(self.space)
+
+    def _tell(self, text: str, names: set[str]) -> None:
+        keys = [f"id/{name}" for name in sorted(names)]
+        for raw in self.space.multi_get(keys) if keys else []:
+            _cancel.send_request(self.side, int(raw.decode()), text)
+
+    def _wait_for_acks(self, seq: int, names: set[str]) -> None:
+        keys = [f"{seq}/ack/{name}" for name in sorted(names)]
+        deadline = time.monotonic() + _ACK_S
+        while keys and not self.space.check(keys) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
