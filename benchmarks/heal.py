@@ -293,7 +293,7 @@ def _run_probe(way: str, kills: int) -> tuple[list[float], list[float], str]:
     if not seconds:
         sys.exit(f"{WAYS[way]} printed no KILL_TO_ANSWER line:\n{out[-2000:]}")
     for line in lines:
-        if line.startswith("REPLACED none:"):
+        if line.startswith("REPLACED none:") or line.startswith("Ray's listening sockets"):
             print(f"{WAYS[way]}: {line.removeprefix('REPLACED ')}", flush=True)
     return seconds, replaced, state.removeprefix("STATE ")
 
