@@ -260,7 +260,7 @@ def send(call: Call, cancellable: bool = True) -> Future[Any]:
         reply = Reply(call.sent if func is not traced else call.sent._replace(key=0))
         out = reply.future  # tagged with the Reply; taken first: the reply may be in already
         if call.hang_after:
-            _hang.watch(reply, call.hang_after, _world.current_context().names)
+            _hang.watch(reply, call.hang_after, _world.side_queues())
         _torch.add_callback(fut, reply)
         fut = out
     else:
@@ -291,8 +291,8 @@ def send_remote(call: Call) -> rpc.RRef[Any]:
 
 
 def _watch_torch_future(fut: Future[Any], call: Call) -> None:
-    names = _world.current_context().names
-    _hang.watch_future(fut, call.worker, call.label, call.sent.key, call.hang_after or 0, names)
+    queues = _world.side_queues()
+    _hang.watch_future(fut, call.worker, call.label, call.sent.key, call.hang_after or 0, queues)
 
 
 def call_sync(call: Call) -> Any:

@@ -57,10 +57,10 @@ class _Reporter:
 _reporter = _Reporter()
 
 
-def watch(reply: Any, seconds: float, names: tuple[str, ...]) -> None:
+def watch(reply: Any, seconds: float, queues: tuple[int, ...]) -> None:
     """Report `reply`'s call if it is still pending in `seconds`."""
     ref = weakref.ref(reply)
-    call_later(seconds, lambda: _due(ref, seconds, names))
+    call_later(seconds, lambda: _due(ref, seconds, queues))
 
 
 class _Pending:
@@ -79,19 +79,19 @@ class _Pending:
 
 
 def watch_future(
-    future: Any, worker: str, label: object, key: int, seconds: float, names: tuple[str, ...]
+    future: Any, worker: str, label: object, key: int, seconds: float, queues: tuple[int, ...]
 ) -> None:
     """`watch` for a call read through torch's own Future (rpc_sync, remote)."""
     pending = _Pending(future, worker, label, key)
     future.add_done_callback(pending)  # keeps it alive while the call is pending, no longer
-    watch(pending, seconds, names)
+    watch(pending, seconds, queues)
 
 
-def _due(ref: weakref.ref[Any], seconds: float, names: tuple[str, ...]) -> None:
+def _due(ref: weakref.ref[Any], seconds: float, queues: tuple[int, ...]) -> None:
     reply = ref()
     if reply is None or not reply.pending():
         return
-    job = (reply.worker, reply.label, reply.key, seconds, names)
+    job = (reply.worker, reply.label, reply.key, seconds, queues)
     with _reporter.lock:
         if _reporter.thread is None:
             _reporter.thread = threading.Thread(
@@ -126,13 +126,15 @@ def _report_loop(jobs: queue.Queue[tuple[Any, ...] | None]) -> None:
             _logger.warning("a hang report could not be made: %s", exc)
 
 
-def _describe(worker: str, label: object, key: int, seconds: float, names: tuple[str, ...]) -> str:
+def _describe(
+    worker: str, label: object, key: int, seconds: float, queues: tuple[int, ...]
+) -> str:
     head = f"call to {label_of(label)} on {worker} still pending after {seconds:g} s"
     channel = _cancel.side_channel()
     if channel is None:
         return f"{head} (this worker has no side channel to ask {worker})"
     store = channel[0].clone()
-    answers = _side.ask(store, range(len(names)), "dump", _ASK_S)
+    answers = _side.ask(store, queues, "dump", _ASK_S)
     reports = [a for a in answers.values() if a is not None and "threads" in a]
     callee = next((r for r in reports if r["name"] == worker), None)
     where = _where(callee, key, worker)

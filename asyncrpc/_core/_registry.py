@@ -6,6 +6,7 @@ While a worker is in a world, it keeps a file in the user's runtime folder
 address of the world's store and the key prefix of the channel in it::
 
     worker ──start──> <folder>/127.0.0.1_29500_0.json  {address, prefix, name, pid, ...}
+                      (a world that heals adds {heal, queue, attempt}: see `Healing`)
     worker ──end────> file removed
     asyncrpc-dump ──> every file whose process lives, grouped by address: the worlds
 
@@ -30,9 +31,9 @@ import pathlib
 import socket
 import tempfile
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["folder", "folders", "process_started", "register", "unregister", "worlds"]
+__all__ = ["Healing", "folder", "folders", "process_started", "register", "unregister", "worlds"]
 
 _logger = logging.getLogger("asyncrpc")
 _warned = [False]  # this process has said it runs unregistered
@@ -70,14 +71,35 @@ def folder() -> pathlib.Path:
     raise error
 
 
+class Healing(NamedTuple):
+    """A worker of a world that heals, as its registration records it.
+
+    `prefix`: the key prefix of the members' records in the world's store
+    (`id/<name>`: the torch id whose side-channel queue answers for a name,
+    `attempt/<name>`: its attempt); `queue`, `attempt`: this process's.
+    A replacement's queue is not its rank, so the commands read them there.
+    """
+
+    prefix: str
+    queue: int
+    attempt: int
+
+
 def register(
-    address: str, prefix: str, rank: int, name: str, names: tuple[str, ...]
+    address: str,
+    prefix: str,
+    rank: int,
+    name: str,
+    names: tuple[str, ...],
+    heal: Healing | None = None,
 ) -> str | None:
     """Record this worker of the world at `address`; returns the file to remove at its end.
 
-    None where no folder can be written: the world runs unregistered (said once).
+    `heal`: in a world that heals, where its members are listed and this
+    process's queue and attempt (see `Healing`). None where no folder can be
+    written: the world runs unregistered (said once).
     """
-    entry = {
+    entry: dict[str, Any] = {
         "address": address,
         "prefix": prefix,
         "rank": rank,
@@ -89,6 +111,8 @@ def register(
         "process_started": process_started(os.getpid()),  # tells a reused pid apart
         "runtime": os.environ.get("XDG_RUNTIME_DIR"),  # the folder it wanted (see `worlds`)
     }
+    if heal is not None:
+        entry.update(heal=heal.prefix, queue=heal.queue, attempt=heal.attempt)
     tried = []
     for place in folders():
         try:

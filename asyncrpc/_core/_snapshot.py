@@ -3,17 +3,18 @@
 The watcher thread answers, so the answer needs no free RPC thread: a world
 whose every RPC thread is blocked still answers within milliseconds::
 
-    "dump": {name, rank, pid, host, total_threads,
+    "dump": {name, rank, attempt, pid, host, total_threads,
              threads:   [{call, caller, age_s, stack, key, thread}]  the calls it runs
                          (stack: the thread's Python frames, or, for an async call
                          waiting at an `await`, its coroutine's)
              in_flight: [{to, call, age_s, key, parent}]            the calls it waits on}
-    "top":  {name, host, pid, rss_mb, cpu_percent, busy_threads, total_threads,
+    "top":  {name, rank, attempt, host, pid, rss_mb, cpu_percent, busy_threads, total_threads,
              running, in_flight, streams, failures, p50_ms, p99_ms}
 
 `p50_ms`/`p99_ms` cover the calls that ended since the previous "top" (None
 when none did); `cpu_percent` the CPU time since then (since the world
-started for the first).
+started for the first). `attempt` is 0 but for a replacement in a world
+that heals (restart="worker"): 1 for the first under its name, and so on.
 """
 
 from __future__ import annotations
@@ -28,19 +29,35 @@ import threading
 import time
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _activity, _cancel
 from ._failures import label_of
+
+if TYPE_CHECKING:
+    from ._membership import Members
 
 __all__ = ["Reporter", "format_frames"]
 
 
 class Reporter:
-    """Answers requests for one worker of a world (given to the watcher)."""
+    """Answers requests for one worker of a world (given to the watcher).
 
-    def __init__(self, rank: int, names: tuple[str, ...], threads: int) -> None:
+    `attempt`: this process's (0: the first under its name; more for a
+    replacement in a world that heals). `members`: that world's members
+    now (None otherwise), which name a caller by its torch id.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        names: tuple[str, ...],
+        threads: int,
+        attempt: int = 0,
+        members: Callable[[], Members | None] = lambda: None,
+    ) -> None:
         self.rank, self.names, self.threads = rank, names, threads
+        self.attempt, self.members = attempt, members
         self._lock = threading.Lock()
         self._last = (time.monotonic(), _cpu_seconds())
 
@@ -93,8 +110,14 @@ class Reporter:
         }
 
     def _caller(self, key: int) -> str | None:
-        rank = key >> _cancel.KEY_BITS
-        return self.names[rank] if 0 <= rank < len(self.names) else None
+        torch_id = key >> _cancel.KEY_BITS  # the caller's rank, in a world that does not heal
+        members = self.members()
+        if members is not None:  # a replacement's torch id is not its rank
+            for name, now in list(members.ids.items()):
+                if now == torch_id:
+                    return name
+            return members.lost.get(torch_id)
+        return self.names[torch_id] if 0 <= torch_id < len(self.names) else None
 
     def top(self) -> dict[str, Any]:
         """One row of `asyncrpc-top` for this worker."""
@@ -122,6 +145,7 @@ class Reporter:
         return {
             "name": self.names[self.rank],
             "rank": self.rank,
+            "attempt": self.attempt,
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }

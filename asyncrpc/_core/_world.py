@@ -188,17 +188,29 @@ def _hang_after_from_env() -> float | None:
     return seconds
 
 
-def _watch(world: World, prefix: str, agent_gone: Callable[[], bool] | None = None) -> None:
-    """Start the side channel's watcher and register the world for asyncrpc-dump/top."""
+def _watch(
+    world: World, prefix: str, agent_gone: Callable[[], bool] | None = None, heals: bool = False
+) -> None:
+    """Start the side channel's watcher and register the world for asyncrpc-dump/top.
+
+    `heals`: a world that heals, where a replacement's queue is its torch id,
+    not its rank: the registration says where the commands read each name's.
+    """
     ctx = world.context
-    reporter = _snapshot.Reporter(ctx.rank, ctx.names, world.threads)
+    reporter = _snapshot.Reporter(
+        ctx.rank, ctx.names, world.threads, attempt=ctx.attempt, members=lambda: world.members
+    )
     _cancel.watch(prefix, reporter, agent_gone, member=_member_news)
     channel = _cancel.side_channel()
     if channel is None or world.registration is not None:
         return
     _, address, side = channel
+    heal = None
+    if heals:
+        heal = _registry.Healing(f"asyncrpc/{world.tag}/{_membership.HEAL_PREFIX}",
+                                 world.key_rank, ctx.attempt)  # fmt: skip
     if address is not None:  # a store others can reach: a TCPStore
-        world.registration = _registry.register(address, side, ctx.rank, ctx.name, ctx.names)
+        world.registration = _registry.register(address, side, ctx.rank, ctx.name, ctx.names, heal)
 
 
 def _install_hooks() -> None:
@@ -292,6 +304,7 @@ def init(
     roles: Mapping[str, int] | None = None,
     master_addr: str | None = None,
     master_port: int | None = None,
+    joining: Joining | None = None,
     **options: Any,
 ) -> Context:
     """Join an RPC world from this process and return its `Context`.
@@ -331,9 +344,11 @@ def init(
             "port where rank 0 hosts the rendezvous store"
         )
     worker_name = name or names_for(size, roles)[rank]
+    # `joining` (asyncrpc-launch --restart worker): a world that heals, where the
+    # launchers watch the workers; a peer's death must not end this one.
     return start(
         rank, size, worker_name, addr, port, settings, roles=roles, hosts_store=hosts,
-        watch_peers=True,
+        watch_peers=joining is None, joining=joining,
     )  # fmt: skip
 
 
@@ -406,38 +421,43 @@ def _refuse_second_world() -> None:
 
 
 def _build(world: World, master_addr: str, watch_peers: bool, joining: Joining | None) -> None:
-    """The steps of `start`, each pushing its undo onto `world.stack` once it is done."""
+    """The steps of `start`, each pushing its undo onto `world.stack` before it runs.
+
+    Pushed first, so that a step failing half-way (or interrupted) is undone
+    too: every undo is a no-op for what was not done.
+    """
     global _world
     ctx, settings, stack = world.context, world.settings, world.stack
     assert settings is not None and world.store is not None
-    _install_hooks()
     stack.callback(_torch.uninstall)
-    _world = world
+    _install_hooks()
     stack.callback(_forget, world)
+    _world = world
     if settings.log_unwaited_failures is not None:
         log_unwaited_failures(settings.log_unwaited_failures)
     stack.callback(_put_back, world)
-    _start_agent(world, master_addr, joining)
     stack.callback(_stop_agent)
+    _start_agent(world, master_addr, joining)
     if settings.keep_thread_states:
-        _threadstates.keep(ctx.name, settings.num_worker_threads)
         stack.callback(_threadstates.forget)
+        _threadstates.keep(ctx.name, settings.num_worker_threads)
     stack.callback(_cancel.stop_watching)
     stack.callback(_unregister, world)
-    _watch(world, f"asyncrpc/{world.tag}/side/")
     if world.hang_after:
         stack.callback(_hang.stop)
+    _watch(world, f"asyncrpc/{world.tag}/side/", heals=joining is not None)
     if joining is not None:
         _join_members(world, joining)
     if watch_peers:
         world.liveness = Liveness(
             world.store, ctx.rank, ctx.names, world.tag, timeout=settings.heartbeat_timeout,
             on_failure=_recorded,
-        ).start()  # fmt: skip
+        )  # fmt: skip
         stack.callback(world.liveness.stop, left=False)
+        world.liveness.start()
     if settings.freeze_gc and gc.get_freeze_count() == 0:  # a program's own: kept
+        world.froze_gc = True  # first: _put_back thaws it, also if freeze fails half-way
         gc.freeze()
-        world.froze_gc = True
 
 
 def _forget(world: World) -> None:
@@ -503,7 +523,7 @@ def _join_members(world: World, joining: Joining) -> None:
     space = _heal_space(world.store, world.tag)
     _membership.publish(space, ctx, joining.torch_id, _torch.group_key_prefix())
     if not joining.replacement:
-        _membership.wait_for_all(space, len(ctx.names), settings.init_timeout)
+        _membership.wait_for_all(space, ctx.names, settings.init_timeout)
     world.members = _membership.read_members(space, ctx.names)
     world.stack.callback(world.members.stop)
     if joining.replacement:
@@ -785,6 +805,15 @@ def on_replaced(callback: Callable[[Replaced], object]) -> Callable[[], None]:
             members.callbacks.remove(callback)
 
     return unregister
+
+
+def side_queues() -> tuple[int, ...]:
+    """Each worker's side-channel queue, in rank order: its torch id (its rank until replaced)."""
+    world = current_world("the side channel")
+    members = world.members
+    if members is None:
+        return tuple(range(world.context.world_size))
+    return tuple(members.ids[name] for name in world.context.names)
 
 
 def describe_self() -> str:

@@ -4,11 +4,12 @@
 
 Works while every RPC thread of every worker is blocked: each worker's
 watcher thread answers through the world's store (see `_core._side`).
-Text, per worker: name and pid; each call it runs (function, calling worker,
+Text, per worker: name, rank, pid (and "attempt N" for a worker replaced
+N times in a world that heals); each call it runs (function, calling worker,
 age) with its Python stack; the calls it has in flight; then one `cycle:`
 line per cycle of waits that never ends by itself, and one `waiting:` line
 per cycle that ends when a busy RPC thread in it is free (see `_core._waits`).
-`--json` prints the same as ``{"world", "workers": [{"name", "pid",
+`--json` prints the same as ``{"world", "workers": [{"name", "attempt", "pid",
 "threads": [{"call", "caller", "age_s", "stack"}], "in_flight": [{"to",
 "call", "age_s"}]}], "cycles": [[worker names in order]], "waits": [{"workers":
 [worker names in order], "ends_with": ["worker call()"]}]}``.
@@ -21,7 +22,7 @@ import json
 from typing import Any
 
 from .._core import _waits
-from ._worlds import ask_world, pick_world
+from ._worlds import ask_world, attempt_note, pick_world
 
 __all__ = ["dump", "main"]
 
@@ -55,12 +56,13 @@ def render(result: dict[str, Any]) -> str:
 
 
 def _render_worker(worker: dict[str, Any]) -> list[str]:
+    who = f"{worker['name']} (rank {worker['rank']}{attempt_note(worker)}"
     if "error" in worker:
         pid = "" if worker.get("pid") is None else f", pid {worker['pid']}"
-        return [f"{worker['name']} (rank {worker['rank']}{pid}): {worker['error']}"]
+        return [f"{who}{pid}): {worker['error']}"]
     busy = sum(1 for call in worker["threads"] if call.get("thread") is not None)
     lines = [
-        f"{worker['name']} (rank {worker['rank']}, pid {worker['pid']}, {worker['host']}): "
+        f"{who}, pid {worker['pid']}, {worker['host']}): "
         f"{busy} of {worker['total_threads']} RPC threads busy, "
         f"{len(worker['threads'])} calls running, {len(worker['in_flight'])} in flight"
     ]

@@ -2,12 +2,13 @@
 
     asyncrpc-top [--world HOST:PORT] [--once] [--json] [--interval S]
 
-Each row: name, host, pid, resident MB, CPU %, busy/total RPC threads,
+Each row: name (with "(attempt N)" for a worker replaced N times in a
+world that heals), host, pid, resident MB, CPU %, busy/total RPC threads,
 calls running, calls in flight, open streams, failures so far, and the p50
 and p99 latency of the calls that ended in the last interval. The live view
 draws with `rich` (`pip install 'asyncrpc[top]'`); without it, a table is
 printed each interval. `--once` prints one snapshot (`--json`: as
-``{"world", "workers": [{"name", "host", "pid", "rss_mb", "cpu_percent",
+``{"world", "workers": [{"name", "rank", "attempt", "host", "pid", "rss_mb", "cpu_percent",
 "busy_threads", "total_threads", "running", "in_flight", "streams",
 "failures", "p50_ms", "p99_ms"}]}``).
 """
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from .._core import _registry
-from ._worlds import Unreachable, ask_world, pick_world, quiet_stderr, try_ask_world
+from ._worlds import Unreachable, ask_world, attempt_note, pick_world, quiet_stderr, try_ask_world
 
 __all__ = ["COLUMNS", "main", "rows"]
 
@@ -53,17 +54,25 @@ def rows(workers: list[dict[str, Any]]) -> list[list[str]]:
         if "error" in worker:  # said below the table (`_notes`)
             pid = "-" if worker.get("pid") is None else str(worker["pid"])
             dashes = ["-"] * (len(COLUMNS) - 3)
-            out.append([worker["name"], worker.get("host") or "-", pid, *dashes])
+            out.append([_name(worker), worker.get("host") or "-", pid, *dashes])
             continue
         cells = []
         for _, key in COLUMNS:
-            if key == "threads":
+            if key == "name":
+                cells.append(_name(worker))
+            elif key == "threads":
                 cells.append(f"{worker['busy_threads']}/{worker['total_threads']}")
             else:
                 value = worker.get(key)
                 cells.append("-" if value is None else str(value))
         out.append(cells)
     return out
+
+
+def _name(worker: dict[str, Any]) -> str:
+    """The worker's name, with "(attempt N)" for a worker replaced N times (a world that heals)."""
+    note = attempt_note(worker)
+    return f"{worker['name']} ({note[2:]})" if note else str(worker["name"])
 
 
 def _notes(workers: list[dict[str, Any]], more: list[str]) -> list[str]:

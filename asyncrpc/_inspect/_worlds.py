@@ -5,6 +5,7 @@ asyncrpc-dump [--world host:port]
                                       │ none: exit 1, "no world is running"
                                       └ several, no --world: exit 2, listing them
   ask every rank through the side channel (_core._side) ─> answers, in rank order
+  (in a world that heals, a replacement at its torch id: the store's heal/id/<name>)
 
 A store whose process is stopped (SIGSTOP, Ctrl-Z in its terminal) still
 accepts connections (the kernel queues them), but never answers, and torch's
@@ -30,8 +31,8 @@ from typing import Any, NoReturn
 from .._core import _registry, _side
 
 __all__ = [
-    "Unreachable", "ask_world", "is_stopped", "pick_world", "quiet_stderr", "store_holder",
-    "try_ask_world",
+    "Unreachable", "ask_world", "attempt_note", "is_stopped", "pick_world", "quiet_stderr",
+    "store_holder", "try_ask_world",
 ]  # fmt: skip
 
 EXIT_NO_WORLD = 1
@@ -162,7 +163,29 @@ def _ask_store(
     # Nothing listening is said at once (torch's client would retry until its timeout).
     socket.create_connection((host.strip("[]"), int(port)), timeout=min(2.0, timeout)).close()
     store = _side.connect(address, entry["prefix"], timeout=min(2.0, timeout))
-    return _side.ask(store, range(len(entry["names"])), kind, timeout)
+    queues = _queues(address, entry, timeout)
+    answers = _side.ask(store, [queue for queue, _ in queues], kind, timeout)
+    return {rank: answers[queue] for rank, (queue, _) in enumerate(queues)}
+
+
+def _queues(address: str, entry: dict[str, Any], timeout: float) -> list[tuple[int, int]]:
+    """(side-channel queue, attempt) of the process answering for each rank now.
+
+    The queue is the rank, but in a world that heals: there a replacement's
+    is its torch id, which the world's store keeps per name with its attempt
+    (`_membership`); a name not recorded there yet is asked at its rank.
+    """
+    names = entry["names"]
+    found = [(rank, 0) for rank in range(len(names))]
+    if not entry.get("heal"):
+        return found
+    space = _side.connect(address, entry["heal"], timeout=min(2.0, timeout))
+    for rank, name in enumerate(names):
+        keys = [f"id/{name}", f"attempt/{name}"]
+        if space.check(keys):
+            queue, attempt = space.multi_get(keys)
+            found[rank] = (int(queue), int(attempt))
+    return found
 
 
 def _workers(
@@ -175,11 +198,17 @@ def _workers(
         answer = answers.get(rank)
         if answer is None:
             here = known.get(rank, {})
-            answer = {"name": name, "rank": rank, "pid": here.get("pid"),
-                      "host": here.get("host"), **(blank or {}),
+            answer = {"name": name, "rank": rank, "attempt": here.get("attempt", 0),
+                      "pid": here.get("pid"), "host": here.get("host"), **(blank or {}),
                       "error": _silent_worker(here.get("pid"), timeout)}  # fmt: skip
         workers.append(answer)
     return workers
+
+
+def attempt_note(worker: dict[str, Any]) -> str:
+    """ ", attempt N" for a worker replaced N times (a world that heals); "" for the first."""
+    attempt = worker.get("attempt") or 0
+    return f", attempt {attempt}" if attempt > 0 else ""
 
 
 def _silent_worker(pid: int | None, timeout: float) -> str:

@@ -6,7 +6,8 @@ merge puts everything on the caller's clock, in microseconds from the first
 event::
 
     worker part: profiler events (pid = OS pid) + call spans ("call", "run", id)
-      `-> process per worker (pid = rank + 1, named by worker), its threads named,
+      `-> process per worker (pid = rank + 1, named by worker and, for a replacement
+          in a world that heals, its attempt), its threads named,
           call spans on lanes of their own ("calls out", "calls in"),
           flow "s" at a call's start -> flow "f" at its run on the callee
 """
@@ -46,7 +47,8 @@ def merge(
             elif ident:
                 calls.append(span)
         tids = {e["tid"] for e in worker_events} | {s["tid"] for s in spans}
-        events += _process_metadata(pid, rank, name, tids, part["threads"])
+        label = str(part.get("label") or name)  # a replacement's: "worker3 (attempt 1)"
+        events += _process_metadata(pid, rank, label, tids, part["threads"])
         events += worker_events + spans
     events += _flows(calls, runs)
     timed = [e for e in events if "ts" in e and e["ph"] != "M"]

@@ -37,7 +37,7 @@ from .._core._errors import AsyncRPCError, CancelledError
 from .._core._execution import Kind, classify
 from . import _timeline
 
-__all__ = ["Trace", "outgoing", "recording", "trace"]
+__all__ = ["Trace", "outgoing", "recording", "trace", "worker_label"]
 
 _CLOCK_SAMPLES = 5
 _recorder: _Recorder | None = None
@@ -199,7 +199,7 @@ def outgoing(
         sent: Callable[..., Any] = fn
     else:
         call_id = (_world.current_context().rank << 32) + next(_call_ids)
-        sent = _Traced(fn, call_id, _world.current_context().name)
+        sent = _Traced(fn, call_id, worker_label(_world.current_context()))
     label = f"-> {to}: {_label(fn)}"
 
     def replied(done: Any) -> None:
@@ -207,6 +207,15 @@ def outgoing(
         recorder.add(_span("call", label, start, id=call_id, to=to, outcome=outcome), thread)
 
     return sent, replied
+
+
+def worker_label(ctx: _world.Context) -> str:
+    """How the trace names a worker: `worker3`, or `worker3 (attempt 1)` for a replacement.
+
+    A worker replaced in a world that heals (restart="worker") runs under its
+    name again; its attempt tells its events from those of the process before.
+    """
+    return f"{ctx.name} (attempt {ctx.attempt})" if ctx.attempt > 0 else ctx.name
 
 
 def _boot_id() -> str:
@@ -248,7 +257,10 @@ def _finish(session: str) -> dict[str, Any]:
     for thread in threading.enumerate():
         if thread.native_id is not None:
             threads.setdefault(thread.native_id, thread.name)
-    return {"trace": text, "spans": recorder.spans, "threads": threads, "pid": os.getpid()}
+    return {
+        "trace": text, "spans": recorder.spans, "threads": threads, "pid": os.getpid(),
+        "label": worker_label(_world.current_context()),
+    }  # fmt: skip
 
 
 def _clock_offset(name: str, here_boot: str, there_boot: str) -> int:
@@ -290,7 +302,8 @@ def trace(
     """Record every worker with torch's profiler; on exit write one merged trace to `path`.
 
     The file opens in Perfetto (ui.perfetto.dev) or chrome://tracing: a
-    process per worker (named by worker name) with its threads, clocks
+    process per worker (named by worker name; a worker replaced in a world
+    that heals as `worker3 (attempt 1)`) with its threads, clocks
     aligned, each call made through asyncrpc as a span on the caller with an
     arrow to its run on the callee. `workers` limits it to some workers (the
     caller is always included). Render a picture with `asyncrpc.render_trace`.
