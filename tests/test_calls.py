@@ -5,8 +5,6 @@ import torch
 
 import asyncrpc
 
-from conftest import PROGRAMS, run_program
-
 
 def whoami() -> str:
     return asyncrpc.current_context().name
@@ -71,19 +69,6 @@ def test_bad_target_type_is_torchs_value_error(world: asyncrpc.Context) -> None:
         asyncrpc.rpc_sync(1.5, whoami)  # type: ignore[arg-type]
     with pytest.raises(ValueError):  # torch raises ValueError there too
         torch.distributed.rpc.rpc_sync(1.5, whoami)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("case", "pattern"),
-    [
-        ("before_init", "asyncrpc.rpc_sync was called but no RPC agent runs in this process"),
-        ("after_shutdown", "NotInitializedError: asyncrpc.rpc_async was called after"),
-    ],
-)
-def test_calls_outside_a_world(case: str, pattern: str) -> None:
-    done = run_program("python", str(PROGRAMS / "misuse.py"), case, timeout=60)
-    assert done.returncode == 3, done.stderr
-    assert pattern in done.stdout
 
 
 async def undecorated(x: int) -> int:

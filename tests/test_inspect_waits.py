@@ -134,7 +134,7 @@ def test_the_calls_named_stuck_are_those_that_never_end_as_the_world_runs() -> N
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    @settings(max_examples=300, deadline=None)
+    @settings(max_examples=100, deadline=None)
     @given(st.data())
     def check(data: Any) -> None:
         reports, never_end = data.draw(st.composite(lambda draw: _world_state(draw))())

@@ -63,10 +63,17 @@ def numbers(
             _closed[tag] = _closed.get(tag, 0) + 1
 
 
+_go_on = threading.Event()  # on the producer: `stuck` sleeps until it is set (30 s at most)
+
+
+def go_on() -> None:
+    _go_on.set()
+
+
 def stuck(tag: str) -> Iterator[int]:
     try:
         yield 0
-        time.sleep(30)
+        _go_on.wait(30)
         yield 1
     finally:
         with _lock:
@@ -142,7 +149,9 @@ def test_close_from_another_thread_wakes_a_blocked_reader(world: asyncrpc.Contex
     started = time.monotonic()
     s.close()
     reader.join(5)
-    assert outcome == ["ended"] and time.monotonic() - started < 2.0
+    took = time.monotonic() - started
+    asyncrpc.rpc_sync("worker1", go_on)  # the generator, still asleep, ends: its thread is free
+    assert outcome == ["ended"] and took < 2.0
 
 
 def _as_yielded(item: Any) -> Any:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -20,16 +19,29 @@ LINE = re.compile(
 PROGRAM = ROOT / "tests" / "programs" / "warm_start.py"
 
 
+@pytest.fixture(scope="module")
+def three_worlds(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """One run of the program (three worlds), its stdout moved to a file after the first.
+
+    What the caller's stdout got, and what the file got: both tests read this run.
+    """
+    moved = tmp_path_factory.mktemp("warm_start") / "moved.txt"
+    done = run_program("python", str(PROGRAM), str(moved), timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, moved.read_text()
+
+
 @pytest.mark.subprocess
 @pytest.mark.timeout(120)
-def test_workers_fork_from_one_warm_interpreter_with_working_threads() -> None:
-    done = run_program("python", str(PROGRAM), timeout=110)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [m.groupdict() for m in map(LINE.match, done.stdout.splitlines()) if m]
-    caller = re.search(r"caller=(\d+)", done.stdout)
-    assert caller is not None and len(rows) == 6, done.stdout
+def test_workers_fork_from_one_warm_interpreter_with_working_threads(
+    three_worlds: tuple[str, str],
+) -> None:
+    output = "".join(three_worlds)  # every line, wherever the caller's stdout was then
+    rows = [m.groupdict() for m in map(LINE.match, output.splitlines()) if m]
+    caller = re.search(r"caller=(\d+)", output)
+    assert caller is not None and len(rows) == 6, output
     worlds = {w: [r for r in rows if r["world"] == w] for w in ("first", "second", "third")}
-    assert all(len(found) == 2 for found in worlds.values()), done.stdout
+    assert all(len(found) == 2 for found in worlds.values()), output
     warm = worlds["first"] + worlds["second"]
     # One warm interpreter, not the caller, is the parent of every forked worker,
     # across worlds; it had imported torch and the script before any of them.
@@ -46,16 +58,14 @@ def test_workers_fork_from_one_warm_interpreter_with_working_threads() -> None:
 
 @pytest.mark.subprocess
 @pytest.mark.timeout(120)
-def test_forked_workers_write_where_the_caller_writes_now(tmp_path: Path) -> None:
+def test_forked_workers_write_where_the_caller_writes_now(three_worlds: tuple[str, str]) -> None:
     """The caller moves its stdout to a file between worlds, after the warm
     interpreter started: the next worlds' workers write into that file, and
     share its offset with the caller (nothing overwritten), as with spawn."""
-    moved = tmp_path / "moved.txt"
-    done = run_program("python", str(PROGRAM), str(moved), timeout=110)
-    assert done.returncode == 0, done.stderr[-3000:]
-    before = [m["world"] for m in map(LINE.match, done.stdout.splitlines()) if m]
-    after = moved.read_text().splitlines()
-    assert before == ["first", "first"], done.stdout
+    stdout, moved = three_worlds
+    before = [m["world"] for m in map(LINE.match, stdout.splitlines()) if m]
+    after = moved.splitlines()
+    assert before == ["first", "first"], stdout
     assert sorted(m["world"] for m in map(LINE.match, after) if m) == [
         "second", "second", "third", "third"
     ], after  # fmt: skip
