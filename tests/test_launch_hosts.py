@@ -275,6 +275,47 @@ def test_a_killed_worker_on_host_1_restarts_the_world_and_the_job_completes(
     assert result == {"attempt": 1, "ranks": [0, 1, 2, 3]}
 
 
+HEAL = str(PROGRAMS / "launch_heal.py")
+
+
+def test_a_killed_worker_on_host_1_is_healed_in_place_by_its_own_launcher(
+    hosts: tuple[Host, Host],
+) -> None:
+    # worker0 (host 0) has worker2 (host 1) kill itself; host 1's launcher replaces it.
+    restart = ("--max-restarts", "1", "--restart", "worker")
+    results = launch_on_both(hosts, HEAL, "--victim", "worker2", launcher_args=restart)
+    result = _result(results)
+    assert result == {
+        "replaced": [["worker2", 2, 1]],
+        "victim_attempt": 1,
+        "victim_pid_changed": True,
+        "survivors_same": True,
+        "counter": 6,
+        "tensor": 6.0,
+    }
+    healed = "asyncrpc: worker 'worker2' (rank 2, node "
+    assert healed in results[1][2] and "replacing it in place (restart 1 of 1)" in results[1][2]
+    assert "replacing it in place" not in results[0][2], results[0][2][-3000:]
+    assert "WORKER worker2 attempt=1 pid=" in results[1][1], results[1][1]
+
+
+def test_a_worker_past_max_restarts_on_host_1_ends_both_launchers_naming_it(
+    hosts: tuple[Host, Host],
+) -> None:
+    restart = ("--max-restarts", "0", "--restart", "worker")
+    started = time.monotonic()
+    results = launch_on_both(hosts, HEAL, "--victim", "worker2", launcher_args=restart)
+    took = time.monotonic() - started
+    assert [code for code, _, _ in results] == [1, 1], [err[-2000:] for *_, err in results]
+    named = "asyncrpc-launch: worker 'worker2' (rank 2, node "
+    ended = "the world replaced workers 0 times (--max-restarts 0), so this failure ends it"
+    last = results[1][2].splitlines()[-1]
+    assert last.startswith(named) and last.endswith(ended), results[1][2][-3000:]
+    other = [line for line in results[0][2].splitlines() if line.startswith(named)]
+    assert other and other[0].endswith(f"{ended}; this node's workers were stopped"), other
+    assert took < 45, f"the run took {took:.1f} s"
+
+
 NETEM = ("netem", "delay", "50ms", "loss", "5%")
 # Where the kernel has no netem (sch_netem): a 8 Mbit/s link with a 16 kB queue,
 # which the load overruns, so packets queue (delay) and are tail-dropped (loss).

@@ -67,7 +67,7 @@ INSIDE: dict[str, list[str]] = {
         "_fanout",
     ],
     "_trace": ["_timeline", "_render", "_trace"],
-    "_launch": ["_parent", "_launched", "_healer", "_supervisor", "_cli"],
+    "_launch": ["_parent", "_launched", "_healer", "_supervisor", "_nodes", "_cli"],
     "_inspect": ["_worlds", "_dump", "_top"],
 }
 

@@ -112,6 +112,7 @@ __all__ = [
     "set_canceller",
     "set_unwrap",
     "share_version",
+    "stop_serving",
     "storage_shared",
     "store_address",
     "tag_future",
@@ -217,6 +218,11 @@ def release_user_rrefs(timeout: float) -> None:
 
 
 _RREF_RELEASE_S = 5.0
+
+
+def stop_serving(timeout: float) -> None:
+    """Finish the calls this agent runs and mark it shutting down (torch's join, no barrier)."""
+    current_agent().join(shutdown=True, timeout=timeout)
 
 
 def group_key_prefix() -> str:
@@ -969,7 +975,8 @@ _KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
         "unreachable",
         re.compile(
             r"originated at tensorpipe/|Connection (reset|refused|closed)|"
-            r"RPCAgent has been shutdown|pipe has been closed|end of file"
+            r"RPCAgent has been shutdown|pipe has been closed|end of file|"
+            r"could not find destination url for name"  # a member dropped as it died
         ),
     ),
     ("unimportable", re.compile(r"No module named|Can't get attribute|can't get attribute")),

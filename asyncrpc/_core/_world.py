@@ -312,7 +312,9 @@ def init(
     Missing values come from the launcher's environment (`RANK`, `WORLD_SIZE`,
     `MASTER_ADDR`, `MASTER_PORT`). Without a launcher, rank 0 hosts the
     rendezvous store on `master_addr:master_port` (default 127.0.0.1: loopback
-    only). Options: see `Settings`. Example, in each of two processes::
+    only). Options: see `Settings`. `joining` is how `asyncrpc-launch --restart
+    worker` has its workers join a world that heals; leave it out. Example, in
+    each of two processes::
 
         with asyncrpc.init(rank=r, world_size=2, master_port=29600) as ctx:
             print(asyncrpc.rpc_sync(ctx.names[1 - r], str.upper, args=("hi",)))
@@ -718,23 +720,29 @@ def _end_world(world: World | None, left: bool) -> None:
 
 
 def _leave_members(world: World, graceful: bool, timeout: float) -> None:
-    """Leave a world that heals: gracefully, once every member's `main` is done."""
-    assert world.store is not None
+    """Leave a world that heals: once every member's `main` is done, all at once.
+
+    torch's graceful leave of a dynamic group passes a token from member to
+    member, each calling every other one; a member that stalls holds the
+    token, and the others wait for it. Instead: every `main` is done (the
+    first meeting), every member has deleted its RRefs at their owners (the
+    second: nothing is in flight any more), then each stops its agent.
+    """
+    assert world.store is not None and world.members is not None
+    space = _heal_space(world.store, world.tag)
     if graceful:
-        space = _heal_space(world.store, world.tag)
         graceful = _membership.meet_to_end(space, world.context, timeout)
-    if graceful and world.members is not None and not world.members.lost:
-        # torch's leave of a dynamic group skips what its static shutdown does here:
-        # every member still serves, so owners can take the deletes of their RRefs.
-        # (Not after a heal: a delete sent to a dead owner fails with a C++ trace.)
+    # After a heal a delete sent to a dead owner fails with a C++ trace, and an
+    # owner then waits for deletes that never come: only a world never healed
+    # deletes its RRefs (a replacement knows it is one, survivors saw the heal).
+    members = world.members
+    healed = bool(members.lost) or any(attempt > 0 for attempt in members.attempts.values())
+    if graceful and not healed:
         _torch.release_user_rrefs(timeout)
-    try:
-        # torch's graceful leave of a dynamic group tells every member, one at a time.
-        rpc.shutdown(graceful=graceful, timeout=timeout)
-    except RuntimeError:
-        # A member died while this one left: the agent is stopped all the same
-        # (torch finalizes in its own finally), and the supervisor reports the death.
-        pass
+    if graceful:
+        _torch.stop_serving(timeout)  # the pipes peers close from now on are expected
+        _membership.meet_to_stop(space, len(world.context.names), timeout)
+    rpc.shutdown(graceful=False)
 
 
 def _recorded(failure: str) -> None:

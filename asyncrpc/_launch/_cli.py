@@ -19,6 +19,10 @@ the workers end with the launcher, SIGKILL included (`_parent`); a signal
 that stops the launcher (Ctrl-C) is one line and exit status 128 + signal;
 a failed world ends with torch's summary, whose root cause is the worker
 that raised first (`_torch.watch_agent_failures`), without the launcher's traceback.
+
+`--restart worker` does without torch's agent, which can only restart the
+whole worker group: each launcher is its own small supervisor (`_nodes`)
+that replaces a dead worker of its node in place, while the others run on.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._core import _net, _rendezvous
-from . import _parent
+from . import _nodes, _parent
+from ._launched import RESTART_VARIABLE
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -56,7 +61,10 @@ Every torchrun option works as in torchrun. What differs:
   * OMP/intra-op threads default to cores // nproc-per-node; an
     OMP_NUM_THREADS you set is kept;
   * the workers end with the launcher, even when it is killed (SIGKILL);
-  * Ctrl-C prints one line and exits 130.
+  * Ctrl-C prints one line and exits 130;
+  * --restart worker --max-restarts K replaces a worker that dies in place,
+    under its name and rank, while every other worker keeps running with its
+    state (asyncrpc.run worlds only; K bounds the replacements of the world).
 
 examples:
   asyncrpc-launch --nproc-per-node 3 examples/ring.py
@@ -128,6 +136,13 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,  # torchrun's parser brings -h
     )
     parser.add_argument(
+        "--restart",
+        choices=("world", "worker"),
+        default="world",
+        help="what --max-restarts restarts when a worker fails: the whole world (default, "
+        "torchrun's agent) or only that worker, in place (asyncrpc.run worlds)",
+    )
+    parser.add_argument(
         "--interface",
         default=None,
         help="network interface the workers' RPC binds to (default: lo on one machine, "
@@ -148,6 +163,11 @@ def build_args(argv: Sequence[str]) -> argparse.Namespace:
         _check(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.restart == "worker":
+        _place_store(args)
+        _check_endpoint(args.rdzv_endpoint, parser)
+        _warn_if_unreachable(args.rdzv_endpoint, args.nnodes)
+        return args
     if args.rdzv_backend == "static" or args.standalone:
         _, max_nodes = _node_range(args.nnodes)
         single = max_nodes == 1
@@ -165,6 +185,19 @@ def build_args(argv: Sequence[str]) -> argparse.Namespace:
         _check_endpoint(args.rdzv_endpoint, parser)
         _warn_if_unreachable(args.rdzv_endpoint, args.nnodes)
     return args
+
+
+def _place_store(args: argparse.Namespace) -> None:
+    """`--restart worker`: where node 0's launcher hosts the store (the node rank stays as is)."""
+    _, max_nodes = _node_range(args.nnodes)
+    single = max_nodes == 1
+    host = args.master_addr
+    if single and not _net.is_loopback(host):
+        host = "127.0.0.1"
+    port = args.master_port if args.master_port is not None else (0 if single else 29500)
+    args.rdzv_backend = BACKEND
+    args.rdzv_endpoint = args.rdzv_endpoint or f"{host}:{port}"
+    args.standalone = False
 
 
 _NPROC_ALLOWED = (
@@ -206,12 +239,45 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--monitor-interval must be a number of seconds above 0, got {args.monitor_interval}"
         )
+    if args.restart == "worker":
+        _check_worker_restart(args)
     names = sorted(name for _, name in socket.if_nameindex())
     if args.interface is not None and args.interface not in names:
         raise ValueError(
             f"--interface must be a network interface of this machine, one of {names}, "
             f"got {args.interface!r}"
         )
+
+
+_AGENT_ONLY = (
+    ("run_path", "--run-path", False),
+    ("log_dir", "--log-dir", None),
+    ("redirects", "--redirects", "0"),
+    ("tee", "--tee", "0"),
+)
+
+
+def _check_worker_restart(args: argparse.Namespace) -> None:
+    """Raise ValueError for what `--restart worker` (no torch agent) cannot do."""
+    least, most = _node_range(args.nnodes)
+    if least != most:
+        raise ValueError(
+            f"--restart worker needs a fixed number of machines, --nnodes N, got "
+            f"{args.nnodes!r}: the world keeps its size while workers are replaced"
+        )
+    if args.rdzv_backend not in ("static", BACKEND):
+        raise ValueError(
+            f"--restart worker hosts the store on node 0's launcher (--master-addr/--master-port "
+            f"or --rdzv-endpoint HOST:PORT), so --rdzv-backend must be left out or be "
+            f"{BACKEND!r}, got {args.rdzv_backend!r}"
+        )
+    for field, flag, default in _AGENT_ONLY:
+        if getattr(args, field) != default:
+            raise ValueError(
+                f"{flag} is an option of torch's agent, which --restart worker does not use "
+                f"(the workers write to the launcher's own output), got "
+                f"{flag} {getattr(args, field)!r}; leave it out, or use --restart world"
+            )
 
 
 def _check_endpoint(endpoint: str, parser: argparse.ArgumentParser) -> None:
@@ -255,7 +321,7 @@ def _node_range(nnodes: str) -> tuple[int, int]:
 
 
 def _set_child_env(args: argparse.Namespace) -> None:
-    """The workers' environment: the interface, the launcher's pid, and OMP_NUM_THREADS.
+    """The workers' environment: the interface, the launcher's pid and restart, OMP_NUM_THREADS.
 
     OMP_NUM_THREADS: one the user set is kept; otherwise cores // local
     workers (torchrun would set 1), which `asyncrpc.run` keeps as it keeps any.
@@ -263,6 +329,7 @@ def _set_child_env(args: argparse.Namespace) -> None:
     if args.interface:
         os.environ["ASYNCRPC_INTERFACE"] = args.interface
     os.environ[_parent.LAUNCHER_VARIABLE] = str(os.getpid())
+    os.environ[RESTART_VARIABLE] = args.restart  # a run(restart=...) must agree
     if "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0))
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // local_workers(args.nproc_per_node)))
@@ -325,6 +392,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     with _one_line_on_signals():
         args = build_args(sys.argv[1:] if argv is None else argv)
+        if args.restart == "worker":
+            _set_child_env(args)
+            raise SystemExit(_nodes.run(args, local_workers(args.nproc_per_node)))
         unregister = _torch.register_rendezvous(BACKEND, _create_handler)
         _set_child_env(args)
         try:

@@ -9,6 +9,10 @@ Every process already is a worker: it joins the launcher's world, runs
   so the launcher's summary names it as the root cause;
 - a SIGINT (the launcher's Ctrl-C) ends it as an uncaught Ctrl-C ends
   Python, without the traceback: the launcher says it once.
+
+Under `asyncrpc-launch --restart worker` (`_nodes`) the world heals: the
+worker joins as its launcher says (ASYNCRPC_JOINING, a `Joining`), and a
+failure elsewhere does not end it; its launcher replaces a worker that dies.
 """
 
 from __future__ import annotations
@@ -24,9 +28,13 @@ from typing import Any, NoReturn
 from .._core import _context, _world
 from .._core._errors import WorkerUnreachableError
 from .._core._liveness import Liveness, describe, leave_world
+from .._core._membership import Joining
 from . import _parent
 
-__all__ = ["launched", "run_launched"]
+__all__ = ["JOINING_VARIABLE", "RESTART_VARIABLE", "joining_from_env", "launched", "run_launched"]
+
+RESTART_VARIABLE = "ASYNCRPC_RESTART"  # asyncrpc-launch --restart: "world" or "worker"
+JOINING_VARIABLE = "ASYNCRPC_JOINING"  # --restart worker: "<torch id>,<tag>,<replacement 0|1>"
 
 
 def launched() -> bool:
@@ -44,10 +52,15 @@ def run_launched(
 ) -> None:
     _check_restart(restart)
     _parent.watch_launcher()  # asyncrpc-launch's workers end with it, SIGKILL included
+    joining = joining_from_env()
+    options = _as_options(settings)
     try:
-        ctx = _world.init(world_size=world_size, roles=roles, **_as_options(settings))
+        ctx = _world.init(world_size=world_size, roles=roles, joining=joining, **options)
     except KeyboardInterrupt:
         _interrupted()
+    if joining is not None:
+        _run_healing(main, ctx, args)
+        return
     # The world's liveness (keyed by attempt, as torchrun's agent keys its reports):
     # launched, a failure anywhere ends this worker too.
     live = _world.current_liveness()
@@ -71,12 +84,41 @@ def run_launched(
     live.stop()
 
 
-RESTART_VARIABLE = "ASYNCRPC_RESTART"  # asyncrpc-launch --restart: "world" or "worker"
+def _run_healing(
+    main: Callable[..., object], ctx: _context.Context, args: tuple[Any, ...]
+) -> None:
+    """`main` in a world that heals: a failure elsewhere is its launcher's to heal, not ours."""
+    try:
+        try:
+            main(ctx, *args)
+        except BaseException:
+            # This worker dies; its launcher replaces it. Peers may still wait on it.
+            _world.shutdown(graceful=False)
+            raise
+        _world.shutdown()  # serves calls until every worker's main is done (the world ends)
+    except KeyboardInterrupt:  # the launcher's Ctrl-C, also while this worker serves
+        _interrupted()
+
+
+def joining_from_env() -> Joining | None:
+    """How this worker joins a world that heals (ASYNCRPC_JOINING), or None."""
+    raw = os.environ.get(JOINING_VARIABLE, "")
+    if not raw:
+        return None
+    try:
+        torch_id, tag, replacement = raw.split(",")
+        return Joining(int(torch_id), tag, replacement == "1")
+    except ValueError:
+        raise ValueError(
+            f"environment variable {JOINING_VARIABLE}={raw!r} is not '<torch id>,<tag>,<0|1>'; "
+            f"asyncrpc-launch --restart worker sets it for each worker: leave it unset"
+        ) from None
 
 
 def _check_restart(restart: str | None) -> None:
     """Refuse a `run(restart=...)` that its launcher does not do: the launcher decides."""
-    by_asyncrpc = bool(os.environ.get(_parent.LAUNCHER_VARIABLE))
+    # Only asyncrpc-launch says how it restarts (torchrun with asyncrpc's rendezvous doesn't).
+    by_asyncrpc = bool(os.environ.get(RESTART_VARIABLE))
     launcher = os.environ.get(RESTART_VARIABLE) or "world"
     if restart == "worker" and not by_asyncrpc:
         raise ValueError(

@@ -1,0 +1,341 @@
+"""`asyncrpc-launch --restart worker`: a small supervisor per node that heals its workers in place.
+
+torch's elastic agent restarts its whole worker group when one worker
+fails. This launcher replaces only the worker that died, under its name and
+rank, while every other worker keeps running with its state (`_healer`
+drives a heal through the world's store; `_core._membership` is the
+workers' side). One launcher runs per node; node 0's hosts the store::
+
+    node 0: asyncrpc-launch                      node 1: asyncrpc-launch
+      store on MASTER_ADDR:PORT <─────────────────── a client of node 0's store
+      python script ... (worker0, worker1)          python script ... (worker2, worker3)
+        env: RANK, ..., ASYNCRPC_JOINING=0,0,0         env: ..., ASYNCRPC_JOINING=2,0,0
+      every 0.05 s: its own workers' exits          worker3 killed:
+        worker1 killed:                               Healer.replace(3) -> Joining(fresh id)
+          Healer.replace(1) -> Joining(fresh id)      start worker3 again, attempt 1
+          start worker1 again, attempt 1            worker2 killed past --max-restarts K:
+      every 0.25 s: the store's "failed" <─────────── "failed" = "worker 'worker2' ... SIGKILL"
+        -> stop its workers, seen/0, exit 1           stop its workers, seen/1, exit 1
+      (node 0 waits for seen/<n>: its store must outlive the others' reads)
+
+A worker that exits 0 once the world ends (the heal state's "ending") is
+done; each launcher exits 0 when all of its workers are, and node 0's waits
+for the others' left/<n> first, since its store serves their leave. A
+signal (Ctrl-C, SIGTERM) stops this node's workers, says so in one line and
+exits 128 + the signal; the workers also end with a launcher that is killed
+(`_parent`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from types import FrameType
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+from .._core import _membership, _rendezvous
+from .._core._errors import RendezvousError, describe_exit
+from .._core._membership import Joining
+from .._core._torch import PrefixStore, Store
+from . import _parent
+from ._healer import Healer
+from ._launched import JOINING_VARIABLE, RESTART_VARIABLE
+
+__all__ = ["run"]
+
+TAG = "0"  # the world's key space: one world per launch
+_POLL_S = 0.05  # how often a launcher looks at its workers
+_STORE_EVERY_S = 0.25  # ... and at the store (a failure on another node)
+_LINGER_S = 5.0  # how long node 0 keeps its store for the others to read a failure
+_END_WAIT_S = 60.0  # ... and for the other nodes' workers to leave at the end
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Raised by a store operation when node 0's launcher (the store's host) has ended.
+_STORE_GONE = (RuntimeError, dist.DistNetworkError)
+
+
+class Plan(NamedTuple):
+    """What one launcher runs: its node, the world's shape, the store, the command."""
+
+    node: int
+    nnodes: int
+    nproc: int
+    host: str
+    port: int
+    command: list[str]
+    max_restarts: int
+
+
+class _Stopped(Exception):
+    """A signal asked this launcher to stop."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__(number)
+        self.number = number
+
+
+def plan(args: argparse.Namespace, nproc: int) -> Plan:
+    """The `Plan` of checked launcher arguments (`_cli.build_args`)."""
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    python = [] if args.no_python else [sys.executable, "-u"] + (["-m"] if args.module else [])
+    command = [*python, args.training_script, *args.training_script_args]
+    nnodes = int(str(args.nnodes).partition(":")[0])
+    return Plan(args.node_rank, nnodes, nproc, host.strip("[]"), int(port), command,
+                args.max_restarts)  # fmt: skip
+
+
+def run(args: argparse.Namespace, nproc: int) -> int:
+    """Run this node's `nproc` workers, healing them in place; the launcher's exit status."""
+    chosen = plan(args, nproc)
+    node: Node | None = None
+    with _stop_on_signals():
+        try:
+            node = Node(chosen, _store(chosen))
+            node.start_all()
+            return node.watch()
+        except RendezvousError as exc:
+            print(f"asyncrpc-launch: {exc}", file=sys.stderr, flush=True)
+            return 1
+        except _Stopped as stop:
+            if node is None:
+                return _say_stopped(stop.number)
+            node.stop_workers(stop.number)
+            return node.stopped(stop.number)
+
+
+def _store(chosen: Plan) -> Store:
+    timeout = 600.0
+    if chosen.node == 0:
+        return _rendezvous.host_store(chosen.host, chosen.port, timeout)
+    return _rendezvous.client_store(chosen.host, chosen.port, timeout)
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """Turn the first stopping signal into `_Stopped` in the main thread; later ones are held."""
+    stopping = False
+
+    def stop(number: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise _Stopped(number)
+
+    before = {number: signal.signal(number, stop) for number in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+
+
+class Node:
+    """One launcher's workers, and what it knows of the world through the store."""
+
+    def __init__(self, chosen: Plan, store: Store) -> None:
+        self.plan = chosen
+        self.store = store
+        self.port = int(getattr(store, "port", chosen.port))  # node 0, port 0: the one bound
+        self.heal = PrefixStore(f"asyncrpc/{TAG}/{_membership.HEAL_PREFIX}", store)
+        self.space = PrefixStore(f"asyncrpc/{TAG}/nodes/", store)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.healer: Healer | None = None
+        self.first = chosen.node * chosen.nproc  # the rank of local worker 0
+
+    def start_all(self) -> None:
+        for local in range(self.plan.nproc):
+            self.procs.append(self._start(local, Joining(self.first + local, TAG, False), 0))
+
+    def _start(self, local: int, joining: Joining, attempt: int) -> subprocess.Popen[bytes]:
+        rank, size = self.first + local, self.plan.nnodes * self.plan.nproc
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(size),
+            LOCAL_WORLD_SIZE=str(self.plan.nproc), GROUP_RANK=str(self.plan.node),
+            ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(size), ROLE_NAME="default",
+            MASTER_ADDR=self.plan.host, MASTER_PORT=str(self.port),
+            TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(attempt),
+            TORCHELASTIC_MAX_RESTARTS=str(self.plan.max_restarts),
+            **{RESTART_VARIABLE: "worker", _parent.LAUNCHER_VARIABLE: str(os.getpid()),
+               JOINING_VARIABLE: f"{joining.torch_id},{joining.tag},{int(joining.replacement)}"},
+        )  # fmt: skip
+        # A session of its own: a terminal's Ctrl-C reaches this launcher, which stops them.
+        return subprocess.Popen(self.plan.command, env=env, start_new_session=True)
+
+    def watch(self) -> int:
+        """Heal this node's workers until each is done; the exit status (0, or 1: failed)."""
+        running = set(range(self.plan.nproc))
+        next_look = time.monotonic() + _STORE_EVERY_S
+        while running:
+            for local in sorted(running):
+                code = self.procs[local].poll()
+                if code is None:
+                    continue
+                try:
+                    if code == 0 and self._world_ended():
+                        running.discard(local)
+                        continue
+                    failure = self._replace(local, code)
+                except _STORE_GONE as exc:
+                    return self._failed(self._store_gone(exc), own=False)
+                if failure is not None:
+                    return self._failed(failure, own=True)
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + _STORE_EVERY_S
+                elsewhere = self._failure_elsewhere()
+                if elsewhere is not None:
+                    return self._failed(elsewhere, own=False)
+            time.sleep(_POLL_S)
+        return self._done()
+
+    def _world_ended(self) -> bool:
+        """True once the world ends, or when it never formed (a script without asyncrpc.run)."""
+        return not self.heal.check(["names"]) or bool(_membership.read_state(self.heal)["ending"])
+
+    def _describe(self, local: int) -> str:
+        rank = self.first + local
+        names = self._names()
+        name = repr(names[rank]) if names else f"of rank {rank}"
+        where = f"node {socket.gethostname()}, pid {self.procs[local].pid}"
+        return f"worker {name} (rank {rank}, {where})"
+
+    def _names(self) -> tuple[str, ...] | None:
+        if self.healer is not None:
+            return self.healer.names
+        if not self.heal.check(["names"]):
+            return None
+        return _membership.read_names(self.heal, 1.0)
+
+    def _replace(self, local: int, code: int) -> str | None:
+        """Replace the dead worker `local` in place; None when done, else the failure's line."""
+        rank, how = self.first + local, describe_exit(code)
+        who = f"{self._describe(local)} {how}"
+        names = self._names()
+        if names is None or not self.heal.check([f"id/{names[rank]}"]):
+            return f"{who} before it joined the world, which cannot replace it"
+        if self.healer is None:
+            self.healer = Healer(self.store, TAG, names, self.plan.max_restarts)
+        healer, name = self.healer, names[rank]
+        retry = name in healer.retry
+        unjoined = healer.joining() - {name}  # they have nothing to forget
+        if not retry:
+            self._stop_joining(unjoined)
+        dead = {names[self.first + i] for i, p in enumerate(self.procs) if p.poll() is not None}
+        joining = healer.replace(rank, how, set(names) - dead - unjoined)
+        if joining is None:
+            limit = self.plan.max_restarts
+            if healer.count > limit:
+                return (f"{who}; the world replaced workers {limit} times "
+                        f"(--max-restarts {limit}), so this failure ends it")  # fmt: skip
+            return f"{who} while the world was ending"
+        try:
+            if retry:
+                print(f"asyncrpc: the replacement of worker {name!r} (rank {rank}) was stopped "
+                      f"before it joined, as another worker died meanwhile; starting it again",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            else:
+                print(f"asyncrpc: {who}; replacing it in place (restart {healer.count} of "
+                      f"{self.plan.max_restarts})", file=sys.stderr, flush=True)  # fmt: skip
+            self.procs[local] = self._start(local, joining, healer.attempts[name])
+        finally:
+            healer.started()
+        return None
+
+    def _stop_joining(self, joining: set[str]) -> None:
+        """Kill this node's replacements still joining: torch's join may wait for the dead one.
+
+        Their deaths are seen next; they start again (`Healer.retry`: not counted).
+        """
+        assert self.healer is not None
+        for local, proc in enumerate(self.procs):
+            name = self.healer.names[self.first + local]
+            if name in joining and proc.poll() is None:
+                self.healer.retry.add(name)
+                proc.kill()
+
+    def _failure_elsewhere(self) -> str | None:
+        try:
+            return self.space.get("failed").decode() if self.space.check(["failed"]) else None
+        except _STORE_GONE as exc:
+            return self._store_gone(exc)
+
+    def _store_gone(self, exc: BaseException) -> str:
+        return (f"the world's store at {self.plan.host}:{self.port} is gone ({exc}); "
+                f"node 0's launcher has ended")  # fmt: skip
+
+    def _failed(self, record: str, own: bool) -> int:
+        """End this node on a failure: say it in one line, stop the workers, tell the others."""
+        with contextlib.suppress(*_STORE_GONE):
+            if own:
+                self.space.compare_set("failed", "", record)
+            self.space.set(f"seen/{self.plan.node}", "1")
+        if own:
+            print(f"asyncrpc-launch: {record}", file=sys.stderr, flush=True)
+        else:
+            print(f"asyncrpc-launch: {record}; this node's workers were stopped",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        self.stop_workers(signal.SIGTERM)
+        self._linger("seen", _LINGER_S)
+        return 1
+
+    def _done(self) -> int:
+        with contextlib.suppress(*_STORE_GONE):
+            self.space.set(f"left/{self.plan.node}", "1")
+        if self.plan.node == 0 and not self._linger("left", _END_WAIT_S):
+            elsewhere = self._failure_elsewhere()
+            if elsewhere is not None:
+                print(f"asyncrpc-launch: {elsewhere}", file=sys.stderr, flush=True)
+                return 1
+        return 0
+
+    def _linger(self, what: str, timeout: float) -> bool:
+        """Node 0: wait (bounded) until every other node set `what/<node>`; False on a failure."""
+        if self.plan.node != 0:
+            return True
+        keys = [f"{what}/{n}" for n in range(1, self.plan.nnodes)]
+        deadline = time.monotonic() + timeout
+        while keys and not self.space.check(keys) and time.monotonic() < deadline:
+            if what == "left" and self.space.check(["failed"]):
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def stopped(self, number: int) -> int:
+        """After a signal stopped this node: the other nodes told, one line; 128 + the signal."""
+        where = f"asyncrpc-launch on node {self.plan.node} ({socket.gethostname()})"
+        with contextlib.suppress(*_STORE_GONE):
+            self.space.compare_set("failed", "", f"{where} was {_stop_reason(number)}")
+        return _say_stopped(number)
+
+    def stop_workers(self, number: int) -> None:
+        """Send `number` to the workers still running; SIGKILL those left after a grace period."""
+        live = [proc for proc in self.procs if proc.poll() is None]
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(number)
+        deadline = time.monotonic() + _parent.KILL_AFTER_S
+        for proc in live:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _stop_reason(number: int) -> str:
+    name = signal.Signals(number).name
+    return "interrupted (Ctrl-C)" if number == signal.SIGINT else f"ended by {name}"
+
+
+def _say_stopped(number: int) -> int:
+    print(f"asyncrpc-launch: {_stop_reason(number)}; the workers were stopped",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return 128 + number

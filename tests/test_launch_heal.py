@@ -1,0 +1,155 @@
+"""`asyncrpc-launch --restart worker`: a dead worker is replaced in place under the launcher.
+
+One node here (two hosts: tests/test_launch_hosts.py). The launcher is its
+own supervisor (`_launch._nodes`): it replaces the worker that died, the
+others keep their processes and state, and past --max-restarts it ends
+naming the worker. torchrun, whose agent restarts the whole world, and
+`--restart world` refuse `run(restart="worker")`.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+from test_exits import assert_gone, descendants, kill_tree
+
+from asyncrpc._launch import _cli
+
+from conftest import PROGRAMS, bin_path, run_program, start_program
+
+HEAL = str(PROGRAMS / "launch_heal.py")
+WORKER_RESTART = ("--restart", "worker")
+
+
+def _launch(*argv: str, timeout: float = 90) -> tuple[int, str, str]:
+    done = run_program(bin_path("asyncrpc-launch"), *argv, timeout=timeout)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_restart_worker_keeps_the_node_rank_and_places_the_store() -> None:
+    args = _cli.build_args(["--nproc-per-node", "3", *WORKER_RESTART, "train.py", "--lr", "1"])
+    assert (args.restart, args.rdzv_endpoint, args.node_rank) == ("worker", "127.0.0.1:0", 0)
+    argv = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.23.0.1"]
+    args = _cli.build_args([*argv, *WORKER_RESTART, "x.py"])
+    assert (args.rdzv_endpoint, args.node_rank) == ("10.23.0.1:29500", 1)
+    assert _cli.build_args(["x.py"]).restart == "world"
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--restart", "process"], "argument --restart: invalid choice: 'process'"),
+        (["--restart", "worker", "--nnodes", "1:2"], "needs a fixed number of machines"),
+        (["--restart", "worker", "--rdzv-backend", "c10d"], "got 'c10d'"),
+        (["--restart", "worker", "--run-path"], "--run-path is an option of torch's agent"),
+        (["--restart", "worker", "--tee", "3"], "got --tee '3'"),
+        (["--restart", "worker", "--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+    ],
+)
+def test_a_bad_restart_argument_is_one_line_and_exit_2(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as ended:
+        _cli.build_args([*argv, "x.py"])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncrpc-launch: error: ") and err.count("\n") == 1, err
+    assert named in err and "--help" in err
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_a_killed_worker_is_replaced_in_place_and_the_launcher_exits_0() -> None:
+    argv = ["--nproc-per-node", "4", "--max-restarts", "2", *WORKER_RESTART]
+    code, out, err = _launch(*argv, HEAL, "--victim", "worker2")
+    assert code == 0, err[-3000:]
+    results = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == 1, out
+    assert json.loads(results[0].removeprefix("RESULT ")) == {
+        "replaced": [["worker2", 2, 1]],
+        "victim_attempt": 1,
+        "victim_pid_changed": True,
+        "survivors_same": True,
+        "counter": 6,
+        "tensor": 6.0,
+    }
+    assert "WORKER worker2 attempt=1 pid=" in out, out
+    healed = [line for line in err.splitlines() if "replacing it in place" in line]
+    assert len(healed) == 1, err[-3000:]
+    assert healed[0].startswith("asyncrpc: worker 'worker2' (rank 2, node "), healed
+    assert healed[0].endswith("was killed by SIGKILL; replacing it in place (restart 1 of 2)")
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_past_max_restarts_the_launcher_ends_naming_the_worker() -> None:
+    launcher = start_program(
+        bin_path("asyncrpc-launch"), "--nproc-per-node", "3", "--max-restarts", "1",
+        *WORKER_RESTART, HEAL, "--victim", "worker2", "--kills", "2", env={},
+    )  # fmt: skip
+    try:
+        tree: set[int] = set()
+        while launcher.poll() is None:  # every process it ever started, to check none is left
+            tree |= descendants(launcher.pid)
+            time.sleep(0.05)
+        _, err = launcher.communicate(timeout=60)
+        assert_gone(tree, within=10)
+    finally:
+        kill_tree(launcher.pid)
+    assert launcher.returncode == 1, err[-3000:]
+    last = err.splitlines()[-1]
+    assert last.startswith("asyncrpc-launch: worker 'worker2' (rank 2, node "), err[-3000:]
+    assert last.endswith(
+        "was killed by SIGKILL; the world replaced workers 1 times (--max-restarts 1), "
+        "so this failure ends it"
+    ), last
+    assert "(restart 1 of 1)" in err and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "SIGTERM", "SIGKILL"]
+)
+def test_a_signal_to_the_launcher_stops_every_worker(sig: signal.Signals) -> None:
+    argv = ["--nproc-per-node", "3", *WORKER_RESTART, HEAL, "--hold", "60"]
+    launcher = start_program(bin_path("asyncrpc-launch"), *argv, env={})
+    try:
+        assert launcher.stdout is not None
+        started = [launcher.stdout.readline() for _ in range(3)]
+        assert all(line.startswith("WORKER ") for line in started), started
+        tree = descendants(launcher.pid)
+        assert len(tree) == 3, tree
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=30)
+        assert_gone(tree, within=10)
+    finally:
+        kill_tree(launcher.pid)
+    if sig == signal.SIGKILL:  # nothing to say: the workers end with it all the same
+        assert launcher.returncode == -sig
+        return
+    what = "interrupted (Ctrl-C)" if sig == signal.SIGINT else "ended by SIGTERM"
+    assert launcher.returncode == 128 + sig, err[-3000:]
+    assert err.splitlines()[-1:] == [f"asyncrpc-launch: {what}; the workers were stopped"], err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+@pytest.mark.subprocess
+def test_torchrun_refuses_restart_worker_naming_asyncrpc_launch() -> None:
+    done = run_program("python", "-m", "torch.distributed.run", "--nproc-per-node", "2", HEAL)
+    assert done.returncode != 0
+    assert "asyncrpc.run(restart='worker') was called under torchrun" in done.stderr
+    assert "launch with asyncrpc-launch --max-restarts K --restart worker" in done.stderr
+
+
+@pytest.mark.subprocess
+def test_restart_world_refuses_run_restart_worker() -> None:
+    code, _, err = _launch("--nproc-per-node", "2", "--restart", "world", HEAL)
+    assert code != 0
+    assert (
+        "asyncrpc.run(restart='worker') disagrees with its launcher, started with "
+        "asyncrpc-launch --restart world" in err
+    ), err[-3000:]
