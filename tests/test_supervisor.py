@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import re
 import signal
 import time
 
@@ -194,3 +195,30 @@ def test_restart_example_resumes_from_its_checkpoint() -> None:
         "worker 'worker1' (rank 1) was killed by SIGKILL; restarting the world (restart 1 of 1)"
         in done.stderr
     )
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(150)
+def test_heal_example_replaces_the_actor_while_the_learner_goes_on() -> None:
+    done = run_program("python", str(ROOT / "examples" / "heal.py"), timeout=140)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[:-1] == [
+        "learner: actors on worker1, worker2, worker3",
+        "step 5: worker2 died during its rollout (a simulated crash); the call raised "
+        "WorkerUnreachableError; skipping worker2 until it is replaced",
+        "worker2 was replaced (attempt 1); its actor is back",
+        "final policy evaluated on worker1, worker2, worker3",
+        # one learner process from step 0 to 20: the world was not restarted
+        "learner state survived: 20 steps, policy v0 -> v20 in one process (attempt 0), "
+        "never reset",
+    ], done.stdout
+    took = re.fullmatch(
+        r"the heal took (\d+\.\d\d) s \(from the crash to the new actor's first answer\)",
+        lines[-1],
+    )
+    assert took is not None and 0 < float(took.group(1)) < 30, lines[-1]
+    healed = (
+        "worker 'worker2' (rank 2) was killed by SIGKILL; replacing it in place (restart 1 of 2)"
+    )
+    assert healed in done.stderr and "restarting the world" not in done.stderr, done.stderr[-3000:]

@@ -118,6 +118,8 @@ class Context:
 
     `attempt` counts restarts: 0 on the first run of `main`, 1 after the first
     restart (`asyncrpc.run(..., max_restarts=N)`, `asyncrpc-launch --max-restarts N`).
+    In a world that heals (`restart="worker"`) it is this worker's own count
+    of replacements; the survivors' does not change.
     """
 
     rank: int

@@ -47,6 +47,7 @@ __all__ = [
     "end_heal",
     "gone_message",
     "meet_to_end",
+    "meet_to_stop",
     "parse_gone",
     "publish",
     "read_members",
@@ -59,10 +60,10 @@ HEAL_PREFIX = "heal/"  # under the world's key space: asyncrpc/<tag>/heal/
 _GONE = "member gone"
 _CALLBACK_JOIN_S = 5.0
 _POLL_S = 0.01
+_STOP_S = 30.0  # how long members wait for each other to stop, once every main is done
 # Keys, under asyncrpc/<tag>/heal/ in the world's store:
 #   names                    every member's name, in rank order (JSON)
 #   id/<name>, attempt/<name>, group/<name>   the process that answers for <name> now
-#   joined                   how many of the first processes have joined
 #   state                    {"done": {name: attempt}, "healing": n, "ending": bool}:
 #                            whose main has returned, heals under way, the world ends
 #   <seq>/ack/<name>         <name> has forgotten the process of heal <seq>
@@ -134,7 +135,7 @@ class Members:
         """Raise `ObjectLostError` when `what` lived in process `owner_id` (torch's id), dead."""
         name = self.lost.get(owner_id)
         if name is not None:
-            now = self.attempts.get(name, 0)
+            now = self.attempts.get(name, 0) + (name in self.replacing)
             raise ObjectLostError(
                 f"{what} lived on worker {name!r}, whose process died; its replacement "
                 f"(attempt {now}) starts without it: create the object there again "
@@ -145,7 +146,9 @@ class Members:
     def gone(self, name: str, torch_id: int, why: str) -> bool:
         """Record that the process `torch_id` of `name` died; False if it was seen already."""
         with self.lock:
-            if torch_id in self.lost or self.ids.get(name) != torch_id:
+            # A process of `name` not known here: a replacement stopped as it joined.
+            known = self.ids.get(name) == torch_id or name in self.replacing
+            if torch_id in self.lost or not known:
                 return False
             self.lost[torch_id] = name
             self.replacing[name] = why
@@ -212,17 +215,21 @@ def publish(space: Store, ctx: Context, torch_id: int, group: str) -> None:
     space.set(f"group/{ctx.name}", group)
     if ctx.attempt == 0:
         space.set("names", json.dumps(list(ctx.names)))
-        space.add("joined", 1)
 
 
-def wait_for_all(space: Store, count: int, timeout: float) -> None:
-    """Wait until the first `count` members have joined torch's group (a world's start)."""
+def wait_for_all(space: Store, names: tuple[str, ...], timeout: float) -> None:
+    """Wait until every member has joined torch's group once (a world's start).
+
+    A worker that died before it joined counts once its replacement has.
+    """
+    keys = [f"id/{name}" for name in names]
     deadline = time.monotonic() + timeout
-    while int(space.add("joined", 0)) < count:
+    while not space.check(keys):
         if time.monotonic() > deadline:
+            missing = [n for n, k in zip(names, keys, strict=True) if not space.check([k])]
             raise RendezvousError(
-                f"only {int(space.add('joined', 0))} of {count} workers joined the world "
-                f"within init_timeout={timeout} s; the others did not start (see their output)"
+                f"workers {missing} did not join the world within init_timeout={timeout} s; "
+                f"they did not start (their own output says why)"
             )
         time.sleep(_POLL_S)
 
@@ -263,6 +270,14 @@ def meet_to_end(space: Store, ctx: Context, timeout: float = 0) -> bool:
             return False
         time.sleep(_POLL_S)
     return True
+
+
+def meet_to_stop(space: Store, count: int, timeout: float = 0) -> None:
+    """After `meet_to_end`: wait (bounded) until all `count` members are ready to stop."""
+    deadline = time.monotonic() + (timeout if timeout > 0 else _STOP_S)
+    space.add("stopping", 1)
+    while int(space.add("stopping", 0)) < count and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
 
 
 def _update(

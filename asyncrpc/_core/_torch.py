@@ -221,8 +221,18 @@ _RREF_RELEASE_S = 5.0
 
 
 def stop_serving(timeout: float) -> None:
-    """Finish the calls this agent runs and mark it shutting down (torch's join, no barrier)."""
-    current_agent().join(shutdown=True, timeout=timeout)
+    """Finish the calls this agent runs and mark it shutting down (torch's join, no barrier).
+
+    Bounded (`timeout`, else `_STOP_SERVING_S`): a call sent to a process that
+    died as it started may never end, and the join would wait for it forever.
+    """
+    try:
+        current_agent().join(shutdown=True, timeout=timeout or _STOP_SERVING_S)
+    except RuntimeError:  # timed out: the shutdown that follows stops the agent anyway
+        pass
+
+
+_STOP_SERVING_S = 10.0
 
 
 def group_key_prefix() -> str:

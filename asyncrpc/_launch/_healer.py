@@ -43,8 +43,11 @@ class Healer:
         self.side = PrefixStore(f"asyncrpc/{tag}/side/", store)
         self.rpc = PrefixStore(f"asyncrpc/{tag}/rpc/", store)  # as the workers' agents see it
         self.attempts = {name: 0 for name in names}
+        # The torch id each name's process was given: its rank at first, then fresh ids.
+        self.ids = {name: rank for rank, name in enumerate(names)}
         self.used = 0  # replacements this supervisor started
         self.count = 0  # the world's replacements so far, this supervisor's last included
+        self.retry: set[str] = set()  # replacements stopped before they joined: start again
 
     def ending(self) -> bool:
         """True once every member's `main` is done and the world ends (no more heals)."""
@@ -58,35 +61,62 @@ class Healer:
         names whose processes still run (their acks are waited for).
         """
         name = self.names[rank]
-        self.count = int(self.space.add("restarts", 1))
-        if self.count > self.max_restarts:
-            return None
+        retry = name in self.retry  # not a death of its own: neither counted nor an attempt
+        self.retry.discard(name)
+        if not retry:
+            self.count = int(self.space.add("restarts", 1))
+            if self.count > self.max_restarts:
+                return None
         if not _membership.begin_heal(self.space, name):
             return None
         try:
-            old = int(self.space.get(f"id/{name}").decode())
+            old = self.ids[name]
             seq = int(self.space.add("seq", 1))
             text = _membership.gone_message(name, old, seq, " ".join(why.split()))
             self._tell(text, alive - {name})
             self._wait_for_acks(seq, alive - {name})
-            group = PrefixStore(self.space.get(f"group/{name}").decode(), self.rpc)
-            _torch.forget_member(group, name, old)
+            # A process that died before it published its group joined a fresh
+            # interpreter's first group, if any.
+            key = f"group/{name}"
+            prefix = self.space.get(key).decode() if self.space.check([key]) else "rpc_prefix_0"
+            _torch.forget_member(PrefixStore(prefix, self.rpc), name, old)
             fresh = len(self.names) - 1 + int(self.space.add("ids", 1))
+            self.ids[name] = fresh
         except BaseException:
             _membership.end_heal(self.space)
             raise
-        self.attempts[name] += 1
-        self.used += 1
+        if not retry:
+            self.attempts[name] += 1
+            self.used += 1
         return Joining(fresh, self.tag, replacement=True)
+
+    def joining(self) -> set[str]:
+        """The names whose replacement was started but has not joined yet (published its id).
+
+        torch's join of a dynamic group calls every listed member; one that
+        died meanwhile makes the join fail, and torch's own clean-up of a failed
+        join then waits for the token the join holds: the joiner never ends.
+        The supervisor stops these replacements when another member dies, and
+        starts them again (`retry`: neither counted nor a new attempt).
+        """
+        return {
+            name for name in self.names
+            if self.ids[name] >= len(self.names) and self._published(name) != self.ids[name]
+        }  # fmt: skip
+
+    def _published(self, name: str) -> int | None:
+        key = f"id/{name}"
+        return int(self.space.get(key).decode()) if self.space.check([key]) else None
 
     def started(self) -> None:
         """The replacement of the last `replace` has been started (or failed to start)."""
         _membership.end_heal(self.space)
 
     def _tell(self, text: str, names: set[str]) -> None:
-        keys = [f"id/{name}" for name in sorted(names)]
-        for raw in self.space.multi_get(keys) if keys else []:
-            _cancel.send_request(self.side, int(raw.decode()), text)
+        for name in sorted(names):
+            key = f"id/{name}"
+            if self.space.check([key]):  # one that has not joined yet has nothing to forget
+                _cancel.send_request(self.side, int(self.space.get(key).decode()), text)
 
     def _wait_for_acks(self, seq: int, names: set[str]) -> None:
         keys = [f"{seq}/ack/{name}" for name in sorted(names)]

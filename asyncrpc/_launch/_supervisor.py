@@ -463,7 +463,11 @@ def _heal(
 ) -> bool:
     """Replace worker `rank` in place; False when the world may not heal any more."""
     healer = healing.healer
-    alive = {healer.names[r] for r in running.values()}
+    retry = healer.names[rank] in healer.retry
+    unjoined = healer.joining() - {healer.names[rank]}  # they have nothing to forget
+    if not retry:  # one stopped as it joined held torch's join token: no joiner saw it
+        _stop_joining(healer, unjoined, procs, running)
+    alive = {healer.names[r] for r in running.values() if procs[r].is_alive()} - unjoined
     how = failure.summary().split(f"(rank {rank}) ", 1)[-1]
     joining = healer.replace(rank, how, alive)
     if joining is None:
@@ -476,18 +480,39 @@ def _heal(
     try:
         if failure.remote_traceback:
             print(failure.remote_traceback.rstrip(), file=sys.stderr, flush=True)
-        print(
-            f"asyncrpc: {failure.summary()}; replacing it in place "
-            f"(restart {healer.count} of {healer.max_restarts})",
-            file=sys.stderr,
-            flush=True,
-        )
+        if retry:
+            print(
+                f"asyncrpc: the replacement of worker {failure.name!r} (rank {rank}) was "
+                f"stopped before it joined, as another worker died meanwhile; starting it again",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            print(
+                f"asyncrpc: {failure.summary()}; replacing it in place "
+                f"(restart {healer.count} of {healer.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
         name = healer.names[rank]
         procs[rank], errors[rank] = healing.spawn(rank, healer.attempts[name], joining)
     finally:
         healer.started()
     running[procs[rank].sentinel] = rank
     return True
+
+
+def _stop_joining(
+    healer: _healer.Healer, joining: set[str], procs: list[BaseProcess], running: dict[object, int]
+) -> None:
+    """Kill the workers still `joining`: they may wait for the dead one forever.
+
+    Their deaths come back through `running`; they start again (`Healer.joining`).
+    """
+    for other in running.values():
+        if healer.names[other] in joining:
+            healer.retry.add(healer.names[other])
+            procs[other].kill()
 
 
 def _signal_first(proc: BaseProcess) -> int:

@@ -1,0 +1,133 @@
+"""A world that heals in place, held to a model by a hypothesis state machine.
+
+    python tests/programs/heal_model.py [max_examples] [steps]
+
+Starts `asyncrpc.run(main, world_size=4, restart="worker")`. worker0 runs
+the machine of tests/programs/heal_model_machine.py: random calls (sync and
+in flight), spawns and handle calls on worker1..3, and SIGKILLs of them,
+waiting or not for their replacements. worker0 is never killed.
+
+What the workers run is here: each call or object creation notes its call id
+in the process's list and appends it to `<dir>/<pid>.ids` as it runs, so the
+ids a killed process ran are known too. Exits 0 when every example kept the
+model; otherwise 1, with the falsifying example and what was seen printed.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import asyncrpc
+
+DIR_VARIABLE = "HEAL_MODEL_DIR"  # where each process writes the ids it ran
+RESULT = "result"  # the file worker0 writes its verdict to, in that directory
+WORLD_SIZE = 4
+MAX_RESTARTS = 1000
+END_S = 45.0  # the world ends within this once worker0's main returned
+
+faulthandler.register(signal.SIGUSR1)  # every process: `kill -USR1` prints where it is
+
+_ran: list[int] = []
+_ran_lock = threading.Lock()
+
+
+def _note(call_id: int) -> None:
+    """Record that the call `call_id` runs here: in this process's list and in its file."""
+    path = os.path.join(os.environ[DIR_VARIABLE], f"{os.getpid()}.ids")
+    with _ran_lock:
+        _ran.append(call_id)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{call_id}\n".encode())  # one write: a kill leaves whole lines
+        finally:
+            os.close(fd)
+
+
+def record(call_id: int, before: float = 0.0, after: float = 0.0) -> tuple[int, int, int]:
+    """Run the call `call_id` here (after `before` s, replying `after` s later)."""
+    time.sleep(before)
+    _note(call_id)
+    time.sleep(after)
+    return os.getpid(), asyncrpc.current_context().attempt, call_id
+
+
+def ran() -> tuple[int, list[int]]:
+    """This process's pid and the ids of the calls it ran, in order."""
+    with _ran_lock:
+        return os.getpid(), list(_ran)
+
+
+class Counter:
+    """An object of a worker's process whose every call is noted as it runs."""
+
+    def __init__(self, call_id: int) -> None:
+        _note(call_id)
+        self.n = 0
+
+    def add(self, call_id: int, k: int) -> tuple[int, int, int, int]:
+        _note(call_id)
+        self.n += k
+        return os.getpid(), asyncrpc.current_context().attempt, call_id, self.n
+
+
+def main(ctx: asyncrpc.Context, examples: int, steps: int) -> None:
+    if ctx.rank != 0:
+        return  # serves calls until worker0's main returns too
+    verdict = os.path.join(os.environ[DIR_VARIABLE], RESULT)
+    if ctx.attempt > 0:
+        with open(verdict, "a") as out:
+            out.write(f"worker0 was replaced (attempt {ctx.attempt}): it must never die\n")
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import heal_model_machine
+
+    problem = heal_model_machine.check(
+        examples,
+        steps,
+        record=record,
+        ran=ran,
+        counter=Counter,
+        directory=os.environ[DIR_VARIABLE],
+    )
+    with open(verdict, "a") as out:
+        out.write(problem or "ok\n")
+
+
+def _watch_the_end(directory: str) -> None:
+    """Exit 1 when the world has not ended `END_S` s after worker0 wrote its verdict."""
+    path = os.path.join(directory, RESULT)
+    while not os.path.exists(path):
+        time.sleep(0.1)
+    time.sleep(END_S)
+    with open(path) as verdict:
+        print(f"heal model FAILED: the world did not end {END_S} s after worker0's verdict "
+              f"(worker0 said: {verdict.read().strip()})", flush=True)  # fmt: skip
+    shutil.rmtree(directory, ignore_errors=True)
+    os._exit(1)  # the workers stop themselves when this process ends
+
+
+if __name__ == "__main__":
+    examples = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 12
+    with tempfile.TemporaryDirectory(prefix="heal-model-") as directory:
+        os.environ[DIR_VARIABLE] = directory  # the workers inherit it, replacements too
+        threading.Thread(target=_watch_the_end, args=(directory,), daemon=True).start()
+        started = time.monotonic()
+        asyncrpc.run(
+            main, world_size=WORLD_SIZE, args=(examples, steps), max_restarts=MAX_RESTARTS,
+            restart="worker", rpc_timeout=20,
+        )  # fmt: skip
+        path = os.path.join(directory, RESULT)
+        result = open(path).read() if os.path.exists(path) else "worker0 wrote no verdict\n"
+    print(f"heal model: {time.monotonic() - started:.1f} s", flush=True)
+    if result != "ok\n":
+        print(f"heal model FAILED:\n{result}", flush=True)
+        sys.exit(1)
+    print("heal model: every example kept the model", flush=True)

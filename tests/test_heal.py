@@ -1,0 +1,212 @@
+"""Worlds that heal in place (`asyncrpc.run(..., restart="worker")`), embedded.
+
+Real worker processes die (signals, exits, raising mains) and are replaced
+under their names; tests/programs/heal_world.py drives each world and prints
+JSON lines that these tests read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import pytest
+from test_exits import assert_gone, descendants, kill_tree
+
+import asyncrpc
+
+from conftest import PROGRAMS, ROOT, run_program
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
+
+HEAL = str(PROGRAMS / "heal_world.py")
+QUICK_S = 1.0  # a call that fails "at once" fails within this
+
+
+def _run(*args: str, timeout: float = 90) -> tuple[subprocess.CompletedProcess[str], list[Any]]:
+    with tempfile.TemporaryDirectory() as shared:
+        done = run_program("python", HEAL, *args, timeout=timeout, env={"HEAL_DIR": shared})
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return done, records
+
+
+def _one(records: list[Any], check: str) -> Any:
+    found = [r for r in records if r["check"] == check]
+    assert len(found) == 1, records
+    return found[0]
+
+
+def test_a_killed_worker_is_replaced_and_the_survivors_keep_their_state() -> None:
+    done, records = _run("basic")
+    assert done.returncode == 0, done.stderr[-3000:]
+    basic = _one(records, "basic")
+    # Replaced under its name and rank; ctx.attempt 1 there, 0 elsewhere; it answers.
+    assert basic["attempts"] == {"worker0": 0, "worker1": 0, "worker2": 1}
+    assert basic["rank"] == 2 and basic["replaced"]
+    # The survivors' state, objects and tensors; their calls to each other.
+    assert basic["counter"] == 6 and basic["state"] and basic["tensor"] == 15.0
+    assert basic["ping"]
+    # on_replaced on every survivor; an unregistered callback hears nothing.
+    assert basic["events"]["worker0"] == [["worker2", 2, 1]]
+    assert basic["events"]["worker1"] == [["worker2", 2, 1]]
+    assert basic["events"]["unregistered"] == []
+    assert "replacing it in place (restart 1 of 1)" in done.stderr
+
+
+def test_calls_at_a_death_fail_named_and_never_run_twice() -> None:
+    done, records = _run("basic")
+    assert done.returncode == 0, done.stderr[-3000:]
+    basic = _one(records, "basic")
+    for how, died in basic["died"].items():  # in flight at the death
+        assert died["error"] == "WorkerUnreachableError", (how, died)
+        assert died["name"] == "worker2" and died["s"] < 5.0, (how, died)
+    # Made while the replacement started: failed at once, named, and not sent.
+    replacing = [e for e in basic["errors"] if "being replaced" in e["message"]]
+    assert replacing, basic["errors"][:3]
+    assert all(e["name"] == "worker2" for e in basic["errors"])
+    assert "nothing was sent" in replacing[0]["message"]
+    # Ran once (the call in flight), and once more only when the replacement answered.
+    assert basic["runs"] == {"inflight": 1, "during": 1}
+    # The object on the dead process is lost for every verb, during the heal and after.
+    for stage in ("lost_during", "lost_after"):
+        verbs = basic[stage]
+        assert verbs is not None, stage
+        assert set(verbs) == {"call", "call_async", "call_remote", "stream", "to_here",
+                              "rpc_sync_proxy", "owner", "rref_to_here"}  # fmt: skip
+        for verb, lost in verbs.items():
+            assert lost["error"] == "ObjectLostError", (stage, verb, lost)
+            assert lost["name"] == "worker2" and lost["s"] < QUICK_S, (stage, verb, lost)
+            assert "(attempt 1) starts without it" in lost["message"], (stage, verb, lost)
+
+
+def test_every_way_to_die_is_healed_rank_0_too() -> None:
+    done, records = _run("deaths")
+    assert done.returncode == 0, done.stderr[-3000:]
+    deaths = [r for r in records if r["check"] == "death"]
+    kinds = ["SIGKILL", "SIGTERM", "exit3", "raise", "exit0", "after-return", "SIGKILL"]
+    assert [d["kind"] for d in deaths] == kinds
+    for number, death in enumerate(deaths[:-1], start=1):
+        assert (death["name"], death["attempt"], death["rank"]) == ("worker1", number, 1)
+    assert (deaths[-1]["name"], deaths[-1]["attempt"], deaths[-1]["rank"]) == ("worker0", 1, 0)
+    assert all(d["new_pid"] and d["s"] < 10 for d in deaths), deaths
+    for how in [
+        "'worker1' (rank 1) was killed by SIGKILL; replacing it in place (restart 1 of 7)",
+        "'worker1' (rank 1) was killed by SIGTERM; replacing it in place (restart 2 of 7)",
+        "'worker1' (rank 1) exited with code 3 before",
+        "'worker1' (rank 1) raised RuntimeError: heal test: worker1 raised at attempt 3; "
+        "replacing it in place (restart 4 of 7)",
+        "'worker1' (rank 1) exited with code 0 before",
+        "'worker0' (rank 0) was killed by SIGKILL; replacing it in place (restart 7 of 7)",
+    ]:
+        assert how in done.stderr, how
+    assert 'heal_world.py", line' in done.stderr  # the raising main's own traceback
+    assert done.stdout.splitlines()[-1] == "world ended"
+
+
+def test_deaths_during_a_heal_are_healed_within_bounds() -> None:
+    done, records = _run("faults")
+    assert done.returncode == 0, done.stderr[-3000:]
+    faults = {r["fault"]: r for r in records if r["check"] == "fault"}
+    assert set(faults) == {"second-death-during-heal", "two-at-once", "import", "kill",
+                           "raise", "call-kill"}  # fmt: skip
+    assert all(f["s"] < 10 for f in faults.values()), faults
+    for how in ("import", "kill", "raise", "call-kill"):  # the replacement died, then one joined
+        assert faults[how]["consumed"], faults[how]
+    assert faults["import"]["attempt"] == 4 and faults["kill"]["attempt"] == 4
+    end = _one(records, "faults-end")
+    assert end["counter"] == 6
+    assert end["attempts"] == {"worker0": 0, "worker1": 0, "worker2": 6, "worker3": 6}
+    assert "exited with code 5 before" in done.stderr  # died before it joined
+    assert "RuntimeError: heal test: worker2 failed at attempt 5" in done.stderr
+
+
+def test_kills_in_a_row_leak_nothing_and_max_restarts_ends_the_world() -> None:
+    with tempfile.TemporaryDirectory() as shared:
+        env = {**os.environ, "HEAL_DIR": shared}
+        parent = subprocess.Popen(
+            [sys.executable, HEAL, "churn", "11", "10"], cwd=ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            records, tree = _read_until(parent, "final-kill")
+            start = time.monotonic()
+            _, stderr = parent.communicate(timeout=30)
+            ended_s = time.monotonic() - start
+            assert_gone(tree, within=8)
+        finally:
+            kill_tree(parent.pid)
+    assert parent.returncode != 0
+    assert ended_s < 15, ended_s
+    assert "WorkerFailedError: worker 'worker2' (rank 2) was killed by SIGKILL" in stderr
+    assert "the world replaced workers 10 times (max_restarts=10); this failure ended it" in stderr
+    assert [r["attempt"] for r in records if r["check"] == "churn"] == [
+        1, 2, 3, 4, 5, 6, 1, 7, 2, 8
+    ]  # fmt: skip
+    use = _one(records, "usage")
+    assert use["counter"] == 6 and use["events"] == 10 and use["events1"] == 10
+    for name in ("worker0", "worker1"):
+        before, after = use["before"][name], use["after"][name]
+        assert after["rss_kb"] - before["rss_kb"] <= 20 * 1024, (name, before, after)
+        assert after["threads"] <= before["threads"] + 2, (name, before, after)
+        assert after["fds"] <= before["fds"] + 8, (name, before, after)
+
+
+def _read_until(parent: subprocess.Popen[str], check: str) -> tuple[list[Any], set[int]]:
+    """The program's records up to the first `check`; its process tree then."""
+    assert parent.stdout is not None
+    records: list[Any] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = parent.stdout.readline()
+        assert line, f"the program ended early: {records}"
+        if line.startswith("{"):
+            records.append(json.loads(line))
+            if records[-1]["check"] == check:
+                return records, descendants(parent.pid)
+    raise AssertionError(f"no {check!r} within 60 s: {records}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_parent_while_workers_are_replaced_leaves_no_process(sig: int) -> None:
+    with tempfile.TemporaryDirectory() as shared:
+        env = {**os.environ, "HEAL_DIR": shared}
+        parent = subprocess.Popen(
+            [sys.executable, HEAL, "churn", "1000", "1000"], cwd=ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        try:
+            _, tree = _read_until(parent, "churn")
+            parent.stdout.readline()  # type: ignore[union-attr]  # a second heal
+            tree |= descendants(parent.pid)
+            os.kill(parent.pid, sig)
+            parent.wait(30)
+            assert_gone(tree, within=8)
+        finally:
+            kill_tree(parent.pid)
+    assert parent.returncode != 0
+
+
+def test_restart_world_restarts_everything_and_has_no_on_replaced() -> None:
+    done, records = _run("world")
+    assert done.returncode == 0, done.stderr[-3000:]
+    started = sorted((r["name"], r["attempt"]) for r in records if r["check"] == "world")
+    assert started == [("worker0", 0), ("worker0", 1), ("worker1", 0), ("worker1", 1)]
+    refused = _one(records, "on_replaced")["outcome"]
+    assert refused["error"] == "AsyncRPCError" and "restart='worker'" in refused["message"]
+    assert "restarting the world (restart 1 of 1)" in done.stderr
+
+
+def _never_runs(ctx: asyncrpc.Context) -> None:
+    raise AssertionError("no world starts with a wrong restart")
+
+
+@pytest.mark.timeout(10)
+def test_an_unknown_restart_is_refused_before_any_process_starts() -> None:
+    with pytest.raises(ValueError, match=r"restart must be .*got 'bogus'"):
+        asyncrpc.run(_never_runs, world_size=2, restart="bogus")
