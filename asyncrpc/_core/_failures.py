@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 
 from . import _torch
 from ._errors import (
+    AsyncRPCError,
     CallTimeoutError,
     RemoteError,
     SerializationError,
@@ -347,7 +348,8 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
     Errors that are not torch's (a remote function's own) come back unchanged.
     """
     kind = _torch.failure_kind(error) if isinstance(error, RuntimeError) else None
-    if kind is None or isinstance(error, (RemoteError, CallTimeoutError)):
+    # Already named (read once by the hook, once by the reply): named once.
+    if kind is None or isinstance(error, (AsyncRPCError, RemoteError, CallTimeoutError)):
         return error
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     named: BaseException
