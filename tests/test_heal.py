@@ -210,3 +210,5 @@ def _never_runs(ctx: asyncrpc.Context) -> None:
 def test_an_unknown_restart_is_refused_before_any_process_starts() -> None:
     with pytest.raises(ValueError, match=r"restart must be .*got 'bogus'"):
         asyncrpc.run(_never_runs, world_size=2, restart="bogus")
+    with pytest.raises(ValueError, match=r"max_restarts=0; pass max_restarts=K with K >= 1"):
+        asyncrpc.run(_never_runs, world_size=2, restart="worker")

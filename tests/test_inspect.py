@@ -36,14 +36,12 @@ def _env(runtime: pathlib.Path) -> dict[str, str]:
     return env
 
 
-def _start(
-    argv: list[str], runtime: pathlib.Path, extra: dict[str, str] | None = None
-) -> subprocess.Popen[str]:
+def _start(argv: list[str], runtime: pathlib.Path) -> subprocess.Popen[str]:
     # A session of its own: the test ends the whole world at once (a world torch's
     # mp.spawn started has no asyncrpc supervisor to take its workers along).
     return subprocess.Popen(
-        argv, cwd=ROOT, env={**_env(runtime), **(extra or {})}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        argv, cwd=ROOT, env=_env(runtime), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
     )  # fmt: skip
 
 
@@ -178,9 +176,7 @@ class _Lines:
         return "".join(self.lines)
 
 
-def test_a_busy_worker_shows_in_top_in_a_terminal_and_its_stack_in_the_dump(
-    tmp_path: pathlib.Path,
-) -> None:
+def test_a_busy_worker_shows_in_top_and_its_stack_in_the_dump(tmp_path: pathlib.Path) -> None:
     world = _start([sys.executable, BUSY, "20"], tmp_path)
     try:
         _registered(tmp_path, 2)
@@ -188,11 +184,9 @@ def test_a_busy_worker_shows_in_top_in_a_terminal_and_its_stack_in_the_dump(
         live = _live_top(tmp_path)
         top = _command("asyncrpc-top", tmp_path, "--once")  # its time: benchmarks/inspect_costs.py
         dump = json.loads(_command("asyncrpc-dump", tmp_path, "--json").stdout)
-        terminal = _live_top_in_a_terminal(tmp_path)  # the live view, as a terminal shows it
     finally:
         _stop(world)  # the world ends at once: killed
     _says_the_world_ended(live)
-    _assert_drawn_in_a_terminal(*terminal)
     assert top.returncode == 0, top.stderr
     header = top.stdout.splitlines()[1]
     for title in ("worker", "host", "pid", "RSS MB", "CPU %", "busy", "run", "out", "strm",
@@ -207,52 +201,52 @@ def test_a_busy_worker_shows_in_top_in_a_terminal_and_its_stack_in_the_dump(
     assert dump["cycles"] == []
 
 
-def _live_top_in_a_terminal(tmp_path: pathlib.Path) -> tuple[str, int | None, bytes]:
-    """asyncrpc-top, live in an 80-column terminal on the world of `tmp_path`, then Ctrl-C.
-
-    What the terminal showed, the command's exit status, and what it wrote after Ctrl-C.
-    """
+def test_the_live_top_draws_a_table_a_terminal_shows(tmp_path: pathlib.Path) -> None:
     import pty
 
-    primary, secondary = pty.openpty()
-    env = {**_env(tmp_path), "TERM": "xterm-256color", "COLUMNS": "80", "LINES": "40"}
-    top = subprocess.Popen(
-        [bin_path("asyncrpc-top"), "--interval", "0.5"], cwd=ROOT, env=env,
-        stdin=secondary, stdout=secondary, stderr=secondary,
-    )  # fmt: skip
-    os.close(secondary)
-    screen, deadline = b"", time.monotonic() + 30
-    while screen.count(b"asyncrpc world") < 2 and time.monotonic() < deadline:
-        try:
-            screen += os.read(primary, 65536)  # redrawn in place, each interval
-        except OSError:
-            break
-    top.send_signal(signal.SIGINT)  # Ctrl-C: leaves quietly
-    after = b""
-    while True:  # read on, as a terminal does, or its last writes could block it
-        try:
-            read = os.read(primary, 65536)
-        except OSError:  # it has exited: its end of the terminal is closed
-            break
-        if not read:
-            break
-        after += read
-    top.wait(30)
-    os.close(primary)
-    return screen.decode(errors="replace"), top.returncode, after
-
-
-def _assert_drawn_in_a_terminal(text: str, returncode: int | None, after: bytes) -> None:
+    world = _start([sys.executable, BUSY, "20"], tmp_path)
+    screen = b""
+    try:
+        _registered(tmp_path, 2)
+        primary, secondary = pty.openpty()
+        env = {**_env(tmp_path), "TERM": "xterm-256color", "COLUMNS": "80", "LINES": "40"}
+        top = subprocess.Popen(
+            [bin_path("asyncrpc-top"), "--interval", "0.5"], cwd=ROOT, env=env,
+            stdin=secondary, stdout=secondary, stderr=secondary,
+        )  # fmt: skip
+        os.close(secondary)
+        deadline = time.monotonic() + 30
+        while screen.count(b"asyncrpc world") < 2 and time.monotonic() < deadline:
+            try:
+                screen += os.read(primary, 65536)  # redrawn in place, each interval
+            except OSError:
+                break
+        top.send_signal(signal.SIGINT)  # Ctrl-C: leaves quietly
+        after = b""
+        while True:  # read on, as a terminal does, or its last writes could block it
+            try:
+                read = os.read(primary, 65536)
+            except OSError:  # it has exited: its end of the terminal is closed
+                break
+            if not read:
+                break
+            after += read
+        top.wait(30)
+        os.close(primary)
+    finally:
+        _stop(world)
+    text = screen.decode(errors="replace")
     assert text.count("asyncrpc world") >= 2, text[-2000:]
     # Every column whole in an 80-column terminal: names, and the last title.
     assert "worker0" in text and "worker1" in text and "p99 ms" in text, text[-2000:]
     assert "busy: busy/total RPC threads" in text
     assert "\x1b[" in text and "─" in text  # drawn by rich, in place, as a terminal shows it
-    assert returncode == 0, after.decode(errors="replace")[-3000:]
+    assert top.returncode == 0, after.decode(errors="replace")[-3000:]
 
 
 def test_the_commands_say_when_no_world_or_several_are_running(tmp_path: pathlib.Path) -> None:
-    for _, done in _timed(tmp_path, ["asyncrpc-dump"], ["asyncrpc-top", "--once"]):
+    for command in ("asyncrpc-dump", "asyncrpc-top"):
+        done = _command(command, tmp_path, *(["--once"] if command.endswith("top") else []))
         assert done.returncode == 1 and "no asyncrpc world is running" in done.stderr
     stale = {"address": "127.0.0.1:1", "prefix": "x", "rank": 0, "name": "w", "names": ["w"],
              "pid": 2**22 + 12345, "host": "h", "started": 0}  # fmt: skip
@@ -373,6 +367,25 @@ def test_every_verb_reports_a_slow_call_once_and_a_quick_one_never() -> None:
         assert "hang_report.py:" in line and line.endswith(frame), line
 
 
+def test_hang_reports_in_a_world_torch_started_come_from_the_environment(
+    tmp_path: pathlib.Path,
+) -> None:
+    env_runtime = tmp_path / "runtime"
+    env_runtime.mkdir()
+    world = subprocess.Popen(
+        [sys.executable, BUSY, "20", "--torch"], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**_env(env_runtime), "ASYNCRPC_HANG_REPORT_AFTER": "1"},
+    )  # fmt: skip
+    reports = _Lines(world.stderr)
+    try:
+        err = reports.wait_for("call to crunch() on worker1 still pending after 1 s")
+    finally:
+        _stop(world)
+    assert "call to crunch() on worker1 still pending after 1 s: worker1 runs it at" in err
+    assert "busy_world.py:" in err and "in crunch" in err
+
+
 def _timed(runtime: pathlib.Path, *commands: list[str]) -> list[tuple[float, Any]]:
     """Run the commands at once: (seconds each took, its result), in order."""
     started = time.monotonic()
@@ -385,61 +398,43 @@ def _timed(runtime: pathlib.Path, *commands: list[str]) -> list[tuple[float, Any
     return timed
 
 
-def test_a_world_torch_started_reports_hangs_from_the_environment_and_names_a_stopped_process(
-    tmp_path: pathlib.Path,
-) -> None:
-    # A world torch started: its hang reports are set by the environment. It has no
-    # heartbeats, so a stopped process is not taken for a dead one. Its store is
-    # worker0's. A stopped process still takes connections (the kernel queues them) and
-    # never answers.
-    after = {"ASYNCRPC_HANG_REPORT_AFTER": "1"}
-    world = _start([sys.executable, BUSY, "60", "--torch"], tmp_path, after)
-    reports = _Lines(world.stderr)
+def test_a_stopped_store_host_or_worker_is_named_within_the_bound(tmp_path: pathlib.Path) -> None:
+    from asyncrpc._inspect._worlds import store_holder
+
+    # A world torch started: no heartbeats, so a stopped process is not taken for a dead
+    # one. Its store is worker0's. A stopped process still takes connections (the kernel
+    # queues them) and never answers.
+    world = _start([sys.executable, BUSY, "60", "--torch"], tmp_path)
     try:
         (address, entries), *_ = _registered(tmp_path, 2).items()
         assert world.stdout is not None and world.stdout.readline().startswith("BUSY")
-        err = reports.wait_for("call to crunch() on worker1 still pending after 1 s")
         pids = {e["name"]: e["pid"] for e in entries}
-        silent, holder, dump, top = _dumps_while_stopped(tmp_path, address, pids)
+        os.kill(pids["worker1"], signal.SIGSTOP)  # a worker, not the store's: listed as silent
+        try:
+            (silent,) = _timed(tmp_path, ["asyncrpc-dump", "--json"])
+        finally:
+            os.kill(pids["worker1"], signal.SIGCONT)
+        holder = store_holder(address)
+        assert holder == pids["worker0"], (holder, pids)
+        os.kill(holder, signal.SIGSTOP)
+        try:
+            dump, top = _timed(tmp_path, ["asyncrpc-dump"], ["asyncrpc-top", "--once"])
+        finally:
+            os.kill(holder, signal.SIGCONT)
     finally:
         _stop(world)
-    assert "call to crunch() on worker1 still pending after 1 s: worker1 runs it at" in err
-    assert "busy_world.py:" in err and "in crunch" in err
     took, done = silent
-    assert took < 8.0 and done.returncode == 0, (took, done.stderr)
+    # Bounds for a loaded machine: the commands' own wait is 5 s, and start-up adds to it.
+    assert took < 15.0 and done.returncode == 0, (took, done.stderr)
     workers = {w["name"]: w for w in json.loads(done.stdout)["workers"]}
     assert "error" not in workers["worker0"], workers["worker0"]
     assert workers["worker1"]["pid"] == pids["worker1"]
     assert "it is stopped (SIGSTOP/Ctrl-Z)" in workers["worker1"]["error"], workers["worker1"]
     for took, done in (dump, top):
-        assert took < 8.0 and done.returncode == 1, (took, done.stdout, done.stderr)
+        assert took < 15.0 and done.returncode == 1, (took, done.stdout, done.stderr)
         said = f"the store at {address} (held by pid {holder}, worker0) does not answer: it is"
         assert said + " stopped (SIGSTOP/Ctrl-Z)" in done.stderr, done.stderr
         assert f"kill -CONT {holder}" in done.stderr and "Traceback" not in done.stderr
-
-
-def _dumps_while_stopped(
-    runtime: pathlib.Path, address: str, pids: dict[str, int]
-) -> tuple[Any, int, Any, Any]:
-    """A dump while worker1 is stopped; a dump and a top while the store's holder is.
-
-    Returns the first (seconds, result), the holder's pid, then the other two.
-    """
-    from asyncrpc._inspect._worlds import store_holder
-
-    os.kill(pids["worker1"], signal.SIGSTOP)  # a worker, not the store's: listed as silent
-    try:
-        (silent,) = _timed(runtime, ["asyncrpc-dump", "--json"])
-    finally:
-        os.kill(pids["worker1"], signal.SIGCONT)
-    holder = store_holder(address)
-    assert holder == pids["worker0"], (holder, pids)
-    os.kill(holder, signal.SIGSTOP)
-    try:
-        dump, top = _timed(runtime, ["asyncrpc-dump"], ["asyncrpc-top", "--once"])
-    finally:
-        os.kill(holder, signal.SIGCONT)
-    return silent, holder, dump, top
 
 
 def test_a_wait_on_busy_threads_that_ends_is_waiting_not_a_cycle(tmp_path: pathlib.Path) -> None:

@@ -47,6 +47,7 @@ def test_restart_worker_keeps_the_node_rank_and_places_the_store() -> None:
         (["--restart", "worker", "--run-path"], "--run-path is an option of torch's agent"),
         (["--restart", "worker", "--tee", "3"], "got --tee '3'"),
         (["--restart", "worker", "--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+        (["--restart", "worker"], "pass --max-restarts K with K >= 1"),
     ],
 )
 def test_a_bad_restart_argument_is_one_line_and_exit_2(

@@ -302,13 +302,15 @@ def test_a_killed_worker_on_host_1_is_healed_in_place_by_its_own_launcher(
 def test_a_worker_past_max_restarts_on_host_1_ends_both_launchers_naming_it(
     hosts: tuple[Host, Host],
 ) -> None:
-    restart = ("--max-restarts", "0", "--restart", "worker")
+    restart = ("--max-restarts", "1", "--restart", "worker")
     started = time.monotonic()
-    results = launch_on_both(hosts, HEAL, "--victim", "worker2", launcher_args=restart)
+    results = launch_on_both(
+        hosts, HEAL, "--victim", "worker2", "--kills", "2", launcher_args=restart
+    )
     took = time.monotonic() - started
     assert [code for code, _, _ in results] == [1, 1], [err[-2000:] for *_, err in results]
     named = "asyncrpc-launch: worker 'worker2' (rank 2, node "
-    ended = "the world replaced workers 0 times (--max-restarts 0), so this failure ends it"
+    ended = "the world replaced workers 1 times (--max-restarts 1), so this failure ends it"
     last = results[1][2].splitlines()[-1]
     assert last.startswith(named) and last.endswith(ended), results[1][2][-3000:]
     other = [line for line in results[0][2].splitlines() if line.startswith(named)]

@@ -242,7 +242,8 @@ def _global_hook(copies: list[Copies], kind: str) -> Any:
             lambda m, a, out: note(m, out * 1.25)
         ),
         "global-pre": lambda: hooks.register_module_forward_pre_hook(
-            lambda m, a: note(m, (a[0] * 0.75,))
+            # A parametrization's module is called with no argument at all.
+            lambda m, a: note(m, (a[0] * 0.75,) if a else None)
         ),
         "global-backward": lambda: hooks.register_module_full_backward_hook(
             lambda m, gin, gout: note(m, None)

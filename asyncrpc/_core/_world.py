@@ -732,15 +732,18 @@ def _leave_members(world: World, graceful: bool, timeout: float) -> None:
     space = _heal_space(world.store, world.tag)
     if graceful:
         graceful = _membership.meet_to_end(space, world.context, timeout)
-    # After a heal a delete sent to a dead owner fails with a C++ trace, and an
-    # owner then waits for deletes that never come: only a world never healed
-    # deletes its RRefs (a replacement knows it is one, survivors saw the heal).
+    # After a heal, a delete sent to a dead owner fails with a C++ trace and an
+    # owner then waits for deletes that never come; and torch's join of a dynamic
+    # group can wait forever for a message it sent to a process that died. So only
+    # a world never healed deletes its RRefs and joins (then the pipes peers close
+    # are expected, and torch logs nothing); a replacement knows it is one, and
+    # the survivors saw the heal.
     members = world.members
     healed = bool(members.lost) or any(attempt > 0 for attempt in members.attempts.values())
     if graceful and not healed:
         _torch.release_user_rrefs(timeout)
+        _torch.stop_serving(timeout)
     if graceful:
-        _torch.stop_serving(timeout)  # the pipes peers close from now on are expected
         _membership.meet_to_stop(space, len(world.context.names), timeout)
     rpc.shutdown(graceful=False)
 

@@ -278,6 +278,11 @@ def _check_worker_restart(args: argparse.Namespace) -> None:
                 f"(the workers write to the launcher's own output), got "
                 f"{flag} {getattr(args, field)!r}; leave it out, or use --restart world"
             )
+    if args.max_restarts < 1:
+        raise ValueError(
+            f"--restart worker replaces dead workers at most --max-restarts times, got "
+            f"--max-restarts {args.max_restarts}; pass --max-restarts K with K >= 1"
+        )
 
 
 def _check_endpoint(endpoint: str, parser: argparse.ArgumentParser) -> None:

@@ -90,6 +90,11 @@ def run(
             "e.g. max_restarts=2 starts the world at most 3 times"
         )
     _check_restart(restart)
+    if restart == "worker" and max_restarts < 1 and not launched():
+        raise ValueError(
+            f"restart='worker' replaces dead workers at most max_restarts times, got "
+            f"max_restarts={max_restarts}; pass max_restarts=K with K >= 1"
+        )
     settings = _context.Settings.from_options(options)
     size = _context.resolve_world_size(world_size, roles)
     if launched():
