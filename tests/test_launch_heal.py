@@ -30,10 +30,12 @@ def _launch(*argv: str, timeout: float = 90) -> tuple[int, str, str]:
 
 
 def test_restart_worker_keeps_the_node_rank_and_places_the_store() -> None:
-    args = _cli.build_args(["--nproc-per-node", "3", *WORKER_RESTART, "train.py", "--lr", "1"])
+    args = _cli.build_args(
+        ["--nproc-per-node", "3", "--max-restarts", "1", *WORKER_RESTART, "train.py", "--lr", "1"]
+    )
     assert (args.restart, args.rdzv_endpoint, args.node_rank) == ("worker", "127.0.0.1:0", 0)
     argv = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.23.0.1"]
-    args = _cli.build_args([*argv, *WORKER_RESTART, "x.py"])
+    args = _cli.build_args([*argv, "--max-restarts", "1", *WORKER_RESTART, "x.py"])
     assert (args.rdzv_endpoint, args.node_rank) == ("10.23.0.1:29500", 1)
     assert _cli.build_args(["x.py"]).restart == "world"
 
@@ -116,7 +118,7 @@ def test_past_max_restarts_the_launcher_ends_naming_the_worker() -> None:
     "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "SIGTERM", "SIGKILL"]
 )
 def test_a_signal_to_the_launcher_stops_every_worker(sig: signal.Signals) -> None:
-    argv = ["--nproc-per-node", "3", *WORKER_RESTART, HEAL, "--hold", "60"]
+    argv = ["--nproc-per-node", "3", "--max-restarts", "1", *WORKER_RESTART, HEAL, "--hold", "60"]
     launcher = start_program(bin_path("asyncrpc-launch"), *argv, env={})
     try:
         assert launcher.stdout is not None
