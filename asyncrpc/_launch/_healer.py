@@ -20,6 +20,7 @@ lives in the store, so launchers on several nodes share it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from .._core import _cancel, _membership, _torch
 from .._core._membership import Joining
@@ -27,7 +28,11 @@ from .._core._torch import PrefixStore, Store
 
 __all__ = ["Healer"]
 
-_ACK_S = 3.0  # how long survivors get to forget a dead member (a held GIL delays them)
+# How long survivors get to forget a dead member. Generous: a replacement that joins
+# before a survivor has forgotten the dead process finds torch's agent there still
+# listing the name, and on a loaded machine a survivor's watcher may wait seconds
+# for a core and the GIL. One that dies meanwhile is not waited for (`still_alive`).
+_ACK_S = 30.0
 _POLL_S = 0.005
 
 
@@ -53,7 +58,13 @@ class Healer:
         """True once every member's `main` is done and the world ends (no more heals)."""
         return bool(_membership.read_state(self.space)["ending"])
 
-    def replace(self, rank: int, why: str, alive: set[str]) -> Joining | None:
+    def replace(
+        self,
+        rank: int,
+        why: str,
+        alive: set[str],
+        still_alive: Callable[[str], bool] | None = None,
+    ) -> Joining | None:
         """Forget worker `rank`'s dead process everywhere; how its replacement joins.
 
         None when the world may not heal: `max_restarts` replacements were
@@ -74,7 +85,7 @@ class Healer:
             seq = int(self.space.add("seq", 1))
             text = _membership.gone_message(name, old, seq, " ".join(why.split()))
             self._tell(text, alive - {name})
-            self._wait_for_acks(seq, alive - {name})
+            self._wait_for_acks(seq, alive - {name}, still_alive)
             # A process that died before it published its group joined a fresh
             # interpreter's first group, if any.
             key = f"group/{name}"
@@ -118,8 +129,14 @@ class Healer:
             if self.space.check([key]):  # one that has not joined yet has nothing to forget
                 _cancel.send_request(self.side, int(self.space.get(key).decode()), text)
 
-    def _wait_for_acks(self, seq: int, names: set[str]) -> None:
-        keys = [f"{seq}/ack/{name}" for name in sorted(names)]
+    def _wait_for_acks(
+        self, seq: int, names: set[str], still_alive: Callable[[str], bool] | None
+    ) -> None:
+        waiting = {name: f"{seq}/ack/{name}" for name in names}
         deadline = time.monotonic() + _ACK_S
-        while keys and not self.space.check(keys) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
+        while waiting and time.monotonic() < deadline:
+            for name, key in list(waiting.items()):
+                if self.space.check([key]) or (still_alive is not None and not still_alive(name)):
+                    del waiting[name]
+            if waiting:
+                time.sleep(_POLL_S)

@@ -474,7 +474,8 @@ def _heal(
         _stop_joining(healer, unjoined, procs, running)
     alive = {healer.names[r] for r in running.values() if procs[r].is_alive()} - unjoined
     how = failure.summary().split(f"(rank {rank}) ", 1)[-1]
-    joining = healer.replace(rank, how, alive)
+    by_name = {healer.names[r]: procs[r] for r in running.values()}
+    joining = healer.replace(rank, how, alive, lambda name: by_name[name].is_alive())
     if joining is None:
         if healer.count > healer.max_restarts:
             failure.add_note(
