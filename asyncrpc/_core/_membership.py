@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._errors import ObjectLostError, RendezvousError, WorkerUnreachableError
+from ._torch import PrefixStore
 
 if TYPE_CHECKING:
     from ._context import Context
@@ -46,6 +47,8 @@ __all__ = [
     "begin_heal",
     "end_heal",
     "gone_message",
+    "heal_prefix",
+    "heal_space",
     "meet_to_end",
     "meet_to_stop",
     "parse_gone",
@@ -57,6 +60,18 @@ __all__ = [
 ]
 
 HEAL_PREFIX = "heal/"  # under the world's key space: asyncrpc/<tag>/heal/
+
+
+def heal_prefix(tag: str) -> str:
+    """Where the members' records of the world `tag` lie in its store."""
+    return f"asyncrpc/{tag}/{HEAL_PREFIX}"
+
+
+def heal_space(store: Store, tag: str) -> Store:
+    """The members' records of the world `tag` (keys below), as a store of their own."""
+    return PrefixStore(heal_prefix(tag), store)
+
+
 _GONE = "member gone"
 _CALLBACK_JOIN_S = 5.0
 _POLL_S = 0.01
@@ -196,13 +211,6 @@ def _run_callbacks(callbacks: list[Callable[[Replaced], object]], event: Replace
             callback(event)
         except Exception:  # one callback's failure must not stop the others
             traceback.print_exc()
-
-
-def describe(members: Members | None) -> dict[str, Any]:
-    """The members' attempts and who is being replaced (for asyncrpc-dump)."""
-    if members is None:
-        return {}
-    return {"attempts": dict(members.attempts), "replacing": sorted(members.replacing)}
 
 
 # ---- the store protocol: members' side ----------------------------------------------

@@ -207,7 +207,7 @@ def _watch(
     _, address, side = channel
     heal = None
     if heals:
-        heal = _registry.Healing(f"asyncrpc/{world.tag}/{_membership.HEAL_PREFIX}",
+        heal = _registry.Healing(_membership.heal_prefix(world.tag),
                                  world.key_rank, ctx.attempt)  # fmt: skip
     if address is not None:  # a store others can reach: a TCPStore
         world.registration = _registry.register(address, side, ctx.rank, ctx.name, ctx.names, heal)
@@ -389,7 +389,9 @@ def start(
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
         tag = joining.tag if joining is not None else restarts
         if joining is not None and joining.replacement:
-            names = _membership.read_names(_heal_space(store, tag), settings.init_timeout)
+            names = _membership.read_names(
+                _membership.heal_space(store, tag), settings.init_timeout
+            )
         else:
             names = _rendezvous.agree(
                 store, rank, world_size, name, settings.init_timeout, tag, hosts=hosts_store
@@ -514,15 +516,11 @@ def _start_agent(world: World, master_addr: str, joining: Joining | None) -> Non
 # ---- a world that heals (restart="worker"; see _membership) ----------------------------
 
 
-def _heal_space(store: Store, tag: str) -> Store:
-    return PrefixStore(f"asyncrpc/{tag}/{_membership.HEAL_PREFIX}", store)
-
-
 def _join_members(world: World, joining: Joining) -> None:
     """After torch's join: publish this member, meet the others (or welcome them)."""
     ctx, settings = world.context, world.settings
     assert world.store is not None and settings is not None
-    space = _heal_space(world.store, world.tag)
+    space = _membership.heal_space(world.store, world.tag)
     _membership.publish(space, ctx, joining.torch_id, _torch.group_key_prefix())
     if not joining.replacement:
         _membership.wait_for_all(space, ctx.names, settings.init_timeout)
@@ -572,7 +570,7 @@ def _member_news(text: str) -> None:
     if world.members.gone(name, torch_id, why):
         _torch.drop_member(name, torch_id)
         world.infos.pop(name, None)
-    _heal_space(world.store, world.tag).set(f"{seq}/ack/{world.context.name}", "1")
+    _membership.heal_space(world.store, world.tag).set(f"{seq}/ack/{world.context.name}", "1")
 
 
 def single_node(master_addr: str, world_size: int) -> bool:
@@ -729,7 +727,7 @@ def _leave_members(world: World, graceful: bool, timeout: float) -> None:
     second: nothing is in flight any more), then each stops its agent.
     """
     assert world.store is not None and world.members is not None
-    space = _heal_space(world.store, world.tag)
+    space = _membership.heal_space(world.store, world.tag)
     if graceful:
         graceful = _membership.meet_to_end(space, world.context, timeout)
     # After a heal, a delete sent to a dead owner fails with a C++ trace and an

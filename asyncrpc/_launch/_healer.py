@@ -44,13 +44,12 @@ class Healer:
         self.tag = tag
         self.names = names
         self.max_restarts = max_restarts
-        self.space = PrefixStore(f"asyncrpc/{tag}/{_membership.HEAL_PREFIX}", store)
+        self.space = _membership.heal_space(store, tag)
         self.side = PrefixStore(f"asyncrpc/{tag}/side/", store)
         self.rpc = PrefixStore(f"asyncrpc/{tag}/rpc/", store)  # as the workers' agents see it
         self.attempts = {name: 0 for name in names}
         # The torch id each name's process was given: its rank at first, then fresh ids.
         self.ids = {name: rank for rank, name in enumerate(names)}
-        self.used = 0  # replacements this supervisor started
         self.count = 0  # the world's replacements so far, this supervisor's last included
         self.retry: set[str] = set()  # replacements stopped before they joined: start again
 
@@ -98,7 +97,6 @@ class Healer:
             raise
         if not retry:
             self.attempts[name] += 1
-            self.used += 1
         return Joining(fresh, self.tag, replacement=True)
 
     def joining(self) -> set[str]:

@@ -144,7 +144,7 @@ class Node:
         self.plan = chosen
         self.store = store
         self.port = int(getattr(store, "port", chosen.port))  # node 0, port 0: the one bound
-        self.heal = PrefixStore(f"asyncrpc/{TAG}/{_membership.HEAL_PREFIX}", store)
+        self.heal = _membership.heal_space(store, TAG)
         self.space = PrefixStore(f"asyncrpc/{TAG}/nodes/", store)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.healer: Healer | None = None
