@@ -7,8 +7,10 @@ JSON lines that these tests read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -158,18 +160,28 @@ def test_kills_in_a_row_leak_nothing_and_max_restarts_ends_the_world() -> None:
 
 
 def _read_until(parent: subprocess.Popen[str], check: str) -> tuple[list[Any], set[int]]:
-    """The program's records up to the first `check`; its process tree then."""
+    """The program's records up to the first `check`; its process tree then.
+
+    Bounded: a program that stops printing fails the test within 60 s with the
+    stacks of every process of its tree (they dump them on SIGUSR1) and its stderr.
+    """
     assert parent.stdout is not None
-    records: list[Any] = []
+    fd, pending, records = parent.stdout.fileno(), b"", []
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = parent.stdout.readline()
-        assert line, f"the program ended early: {records}"
-        if line.startswith("{"):
-            records.append(json.loads(line))
-            if records[-1]["check"] == check:
-                return records, descendants(parent.pid)
-    raise AssertionError(f"no {check!r} within 60 s: {records}")
+    while (left := deadline - time.monotonic()) > 0 and select.select([fd], [], [], left)[0]:
+        chunk = os.read(fd, 65536)
+        assert chunk, f"the program ended early: {records}"
+        *lines, pending = (pending + chunk).split(b"\n")
+        records += [json.loads(line) for line in lines if line.startswith(b"{")]
+        if any(r["check"] == check for r in records):
+            return records, descendants(parent.pid)
+    for pid in {parent.pid} | descendants(parent.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(2)
+    kill_tree(parent.pid)
+    _, stderr = parent.communicate(timeout=30)
+    raise AssertionError(f"no {check!r} within 60 s: {records}\n{stderr[-20000:]}")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -182,8 +194,7 @@ def test_a_signal_to_the_parent_while_workers_are_replaced_leaves_no_process(sig
         )  # fmt: skip
         try:
             _, tree = _read_until(parent, "churn")
-            parent.stdout.readline()  # type: ignore[union-attr]  # a second heal
-            tree |= descendants(parent.pid)
+            tree |= _read_until(parent, "churn")[1]  # a second heal
             os.kill(parent.pid, sig)
             parent.wait(30)
             assert_gone(tree, within=8)

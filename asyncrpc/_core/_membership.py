@@ -79,6 +79,7 @@ _STOP_S = 30.0  # how long members wait for each other to stop, once every main 
 # Keys, under asyncrpc/<tag>/heal/ in the world's store:
 #   names                    every member's name, in rank order (JSON)
 #   id/<name>, attempt/<name>, group/<name>   the process that answers for <name> now
+#   ready/<name>             <name> knows the members: it may be called (a start's barrier)
 #   state                    {"done": {name: attempt}, "healing": n, "ending": bool}:
 #                            whose main has returned, heals under way, the world ends
 #   <seq>/ack/<name>         <name> has forgotten the process of heal <seq>
@@ -225,12 +226,14 @@ def publish(space: Store, ctx: Context, torch_id: int, group: str) -> None:
         space.set("names", json.dumps(list(ctx.names)))
 
 
-def wait_for_all(space: Store, names: tuple[str, ...], timeout: float) -> None:
+def wait_for_all(space: Store, names: tuple[str, ...], timeout: float, key: str = "id") -> None:
     """Wait until every member has joined torch's group once (a world's start).
 
-    A worker that died before it joined counts once its replacement has.
+    `key="ready"`: until every member knows the others (`mark_ready`), so that
+    no call reaches a member still starting. A worker that died before it
+    joined (or got ready) counts once its replacement has.
     """
-    keys = [f"id/{name}" for name in names]
+    keys = [f"{key}/{name}" for name in names]
     deadline = time.monotonic() + timeout
     while not space.check(keys):
         if time.monotonic() > deadline:
@@ -240,6 +243,11 @@ def wait_for_all(space: Store, names: tuple[str, ...], timeout: float) -> None:
                 f"they did not start (their own output says why)"
             )
         time.sleep(_POLL_S)
+
+
+def mark_ready(space: Store, name: str) -> None:
+    """`name` knows every member now: calls to it find its `Members` set."""
+    space.set(f"ready/{name}", "1")
 
 
 def read_names(space: Store, timeout: float) -> tuple[str, ...]:

@@ -90,6 +90,9 @@ class World:
     # spares it a lookup by name on every call.
     infos: dict[str, WorkerInfo] = dataclasses.field(default_factory=dict)
     members: Members | None = None  # a world that heals (restart="worker"): see _membership
+    # Set once `members` is (or the start failed): the side channel's news and a
+    # replacement's welcome that arrive while this member still starts wait for it.
+    members_known: threading.Event = dataclasses.field(default_factory=threading.Event)
     key_rank: int = -1  # this process's torch id: its calls' cancel keys (see _cancel)
     tag: str = ""  # the world's key space in the store: asyncrpc/<tag>/...
     # What undoes the world: each step of `start` pushes its undo once done, and a
@@ -451,6 +454,7 @@ def _build(world: World, master_addr: str, watch_peers: bool, joining: Joining |
         stack.callback(_hang.stop)
     _watch(world, f"asyncrpc/{world.tag}/side/", heals=joining is not None)
     if joining is not None:
+        stack.callback(world.members_known.set)
         _join_members(world, joining)
     if watch_peers:
         world.liveness = Liveness(
@@ -526,8 +530,12 @@ def _join_members(world: World, joining: Joining) -> None:
         _membership.wait_for_all(space, ctx.names, settings.init_timeout)
     world.members = _membership.read_members(space, ctx.names)
     world.stack.callback(world.members.stop)
+    world.members_known.set()
+    _membership.mark_ready(space, ctx.name)
     if joining.replacement:
         _welcome_all(world, settings.rpc_timeout)
+    else:  # no member's main calls one that does not know the members yet
+        _membership.wait_for_all(space, ctx.names, settings.init_timeout, key="ready")
 
 
 def _welcome_all(world: World, timeout: float) -> None:
@@ -549,9 +557,17 @@ def _welcome_all(world: World, timeout: float) -> None:
             continue
 
 
+def _starting_members() -> World | None:
+    """This process's world, once it knows its members (waiting while it starts)."""
+    world = _world
+    if world is not None and world.settings is not None:
+        world.members_known.wait(world.settings.init_timeout)
+    return world
+
+
 def _welcome(name: str, torch_id: int, attempt: int) -> None:
     """Run on a member: `name`'s replacement (torch id, attempt) has joined."""
-    world = _world
+    world = _starting_members()
     if world is None or world.members is None:
         return
     world.infos.pop(name, None)
@@ -563,7 +579,7 @@ def _welcome(name: str, torch_id: int, attempt: int) -> None:
 def _member_news(text: str) -> None:
     """The side channel's "member gone" from the supervisor: forget the dead process, ack."""
     parsed = _membership.parse_gone(text)
-    world = _world
+    world = _starting_members()
     if parsed is None or world is None or world.members is None or world.store is None:
         return
     seq, torch_id, name, why = parsed

@@ -56,8 +56,8 @@ def _die_at_import() -> None:
         time.sleep(1.0)
 
 
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang's stacks, on demand
 if __name__ != "__main__":
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang's stacks, on demand
     _die_at_import()
 
 
