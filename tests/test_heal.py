@@ -128,6 +128,16 @@ def test_deaths_during_a_heal_are_healed_within_bounds() -> None:
     assert "RuntimeError: heal test: worker2 failed at attempt 5" in done.stderr
 
 
+def test_no_main_calls_a_peer_that_does_not_know_the_members_yet() -> None:
+    # worker0's first calls reach peers whose start is slowed by a thread hogging the
+    # GIL; each call needs the peer to know the members (on_replaced there).
+    done, records = _run("start")
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = _one(records, "start")["first"]
+    assert first.keys() == {"worker1", "worker2", "worker3"}
+    assert all(outcome["error"] is None for outcome in first.values()), first
+
+
 def test_kills_in_a_row_leak_nothing_and_max_restarts_ends_the_world() -> None:
     with tempfile.TemporaryDirectory() as shared:
         env = {**os.environ, "HEAL_DIR": shared}

@@ -440,7 +440,11 @@ def test_a_stopped_store_host_or_worker_is_named_within_the_bound(tmp_path: path
 def test_a_wait_on_busy_threads_that_ends_is_waiting_not_a_cycle(tmp_path: pathlib.Path) -> None:
     # worker0's queue waits on f() (in the cycle) and slow() (not in it, and waiting on
     # nothing): once slow() returns, h() starts, and g() and f() end.
-    world = _start([sys.executable, str(PROGRAMS / "busy_threads_wait.py"), "8"], tmp_path)
+    # slow() returns once the dumps and the hang report are in (a fixed sleep ran out
+    # first on a loaded machine), or after 60 s.
+    release = tmp_path / "release"
+    program = [sys.executable, str(PROGRAMS / "busy_threads_wait.py"), "60", str(release)]
+    world = _start(program, tmp_path)
     reports = _Lines(world.stderr)
     try:
         _registered(tmp_path, 2)
@@ -448,8 +452,9 @@ def test_a_wait_on_busy_threads_that_ends_is_waiting_not_a_cycle(tmp_path: pathl
         live = _live_top(tmp_path)  # until the world ends by itself
         done = _command("asyncrpc-dump", tmp_path, "--json")
         text = _command("asyncrpc-dump", tmp_path)
-        out, _ = world.communicate(timeout=60)  # the wait ends: the world does too
         err = reports.wait_for("call to h() on worker0 still pending")
+        release.touch()
+        out, _ = world.communicate(timeout=60)  # the wait ends: the world does too
         _says_the_world_ended(live)
     finally:
         _stop(world)

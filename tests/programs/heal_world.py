@@ -8,6 +8,8 @@ SCENARIO:
   faults   deaths during a heal: a second death, a replacement dying as it starts
   churn    COUNT kills in a row (max_restarts=MAX_RESTARTS), the survivors' usage
            before and after; COUNT > MAX_RESTARTS: the last kill ends the world
+  start    worker0's first calls reach peers slowed as they start (a GIL hog there):
+           every peer knows the members when any main runs
   world    restart="world": the whole world starts again, as before
 
 The driving worker prints one JSON object a line (`emit`); the workers share
@@ -25,6 +27,7 @@ import pathlib
 import queue
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -54,6 +57,20 @@ def _die_at_import() -> None:
         os._exit(5)
     if (DIR / "slow-import").exists() and name.startswith("worker"):
         time.sleep(1.0)
+    if (DIR / "hog-start").exists() and name not in ("worker0", "MainProcess"):
+        _hog_the_gil(3.0)
+
+
+def _hog_the_gil(seconds: float) -> None:
+    """Slow this process's start: a thread that holds the GIL 50 ms at a time."""
+
+    def hog() -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sum(range(1000))
+
+    sys.setswitchinterval(0.05)
+    threading.Thread(target=hog, name="gil-hog", daemon=True).start()
 
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang's stacks, on demand
@@ -427,6 +444,16 @@ def churn(ctx: asyncrpc.Context, count: int, max_restarts: int) -> None:
         time.sleep(BOUND_S)  # the supervisor stops this worker
 
 
+# ---- start: first calls to peers that start slowly --------------------------------------
+
+
+def start(ctx: asyncrpc.Context) -> None:
+    if ctx.rank != 0:
+        return
+    first = {name: outcome(partial(asyncrpc.rpc_sync, name, listen)) for name in ctx.names[1:]}
+    emit(check="start", first=first)
+
+
 # ---- world: restart="world" as before -------------------------------------------------------
 
 
@@ -447,9 +474,9 @@ def whole(ctx: asyncrpc.Context) -> None:
 def main(ctx: asyncrpc.Context, scenario: str, *args: int) -> None:
     if scenario != "world":
         obey(ctx)
-    {"basic": basic, "deaths": deaths, "faults": faults, "churn": churn, "world": whole}[scenario](
-        ctx, *args
-    )
+    scenarios = {"basic": basic, "deaths": deaths, "faults": faults, "churn": churn,
+                 "start": start, "world": whole}  # fmt: skip
+    scenarios[scenario](ctx, *args)
 
 
 if __name__ == "__main__":
@@ -459,7 +486,9 @@ if __name__ == "__main__":
         asyncrpc.run(main, world_size=2, args=(scenario,), max_restarts=1, restart="world")
     else:
         size = {"basic": 3, "deaths": 3}.get(scenario, 4)
-        restarts = {"basic": 1, "deaths": len(STEPS), "faults": 12}.get(
+        if scenario == "start":
+            (DIR / "hog-start").touch()
+        restarts = {"basic": 1, "deaths": len(STEPS), "faults": 12, "start": 1}.get(
             scenario, numbers[1] if numbers else 0
         )
         asyncrpc.run(main, world_size=size, args=(scenario, *numbers), max_restarts=restarts,
