@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import select
 import signal
 import subprocess
@@ -31,8 +32,13 @@ HEAL = str(PROGRAMS / "heal_world.py")
 QUICK_S = 1.0  # a call that fails "at once" fails within this
 
 
-def _run(*args: str, timeout: float = 90) -> tuple[subprocess.CompletedProcess[str], list[Any]]:
+def _run(
+    *args: str, timeout: float = 90, orders: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], list[Any]]:
+    """Run heal_world.py; `orders`: files for its workers to obey (see the program)."""
     with tempfile.TemporaryDirectory() as shared:
+        for name, text in (orders or {}).items():
+            (pathlib.Path(shared) / name).write_text(text)
         done = run_program("python", HEAL, *args, timeout=timeout, env={"HEAL_DIR": shared})
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return done, records
@@ -136,6 +142,38 @@ def test_no_main_calls_a_peer_that_does_not_know_the_members_yet() -> None:
     first = _one(records, "start")["first"]
     assert first.keys() == {"worker1", "worker2", "worker3"}
     assert all(outcome["error"] is None for outcome in first.values()), first
+
+
+@pytest.mark.parametrize(
+    "orders",
+    [{"die-import-worker1": ""}, {"kill-import-worker2": "0.0"},
+     {"kill-import-worker1": "0.02"}, {"kill-import-worker3": "0.04"}],
+    ids=["exit-at-import", "kill-at-import", "kill-at-20ms", "kill-at-40ms"],
+)  # fmt: skip
+def test_a_death_while_the_world_starts_starts_it_again(orders: dict[str, str]) -> None:
+    # The others wait for the dead worker in the world's start: no main has run, so
+    # the whole world starts again, once, counted against max_restarts.
+    start = time.monotonic()
+    done, records = _run("formed", "0", "2", orders=orders)
+    assert done.returncode == 0 and time.monotonic() - start < 30, done.stderr[-3000:]
+    mains = sorted((r["name"], r["attempt"]) for r in records if r["check"] == "formed")
+    assert mains == [(f"worker{rank}", 0) for rank in range(4)], (mains, done.stderr[-3000:])
+    # A kill that lands after the world formed is healed in place instead.
+    again = "while the world was starting, before any main ran: worker 'worker"
+    healed = "replacing it in place (restart 1 of 2)"
+    assert (again in done.stderr) != (healed in done.stderr), done.stderr[-3000:]
+    assert again not in done.stderr or "starting the world again (restart 1 of 2)" in done.stderr
+
+
+def test_deaths_while_the_world_starts_past_max_restarts_end_it_named() -> None:
+    done, records = _run("formed", "0", "1", orders={"die-import-worker1": "2"})
+    assert done.returncode != 0 and records == [], done.stdout
+    assert "WorkerFailedError: worker 'worker1' (rank 1) exited with code 5" in done.stderr
+    assert "starting the world again (restart 1 of 1)" in done.stderr
+    assert (
+        "the world replaced workers 1 times (max_restarts=1); this failure, while the world "
+        "started, ended it"
+    ) in done.stderr, done.stderr[-3000:]
 
 
 def test_kills_in_a_row_leak_nothing_and_max_restarts_ends_the_world() -> None:

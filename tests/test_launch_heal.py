@@ -10,6 +10,7 @@ naming the worker. torchrun, whose agent restarts the whole world, and
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 
@@ -110,6 +111,24 @@ def test_past_max_restarts_the_launcher_ends_naming_the_worker() -> None:
         "so this failure ends it"
     ), last
     assert "(restart 1 of 1)" in err and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_a_death_while_the_world_starts_ends_the_launcher_naming_it() -> None:
+    # The others wait for it in the world's start: it cannot be replaced in place.
+    argv = ["--nproc-per-node", "3", "--max-restarts", "2", *WORKER_RESTART]
+    start = time.monotonic()
+    code, out, err = _launch(*argv, HEAL, "--exit-at-start", "1")
+    assert code == 1 and time.monotonic() - start < 30, err[-3000:]
+    last = err.splitlines()[-1]  # the names are known once a worker has joined
+    who = r"(worker 'worker1' \(rank 1, |the worker of rank 1 \()"
+    assert re.match(rf"asyncrpc-launch: {who}node ", last), err[-3000:]
+    assert last.endswith(
+        "exited with code 3 while the world was starting (before every worker was ready), "
+        "which cannot replace it; start the run again"
+    ), last
+    assert "WORKER" not in out and "Traceback" not in err, (out, err[-3000:])
 
 
 @pytest.mark.subprocess

@@ -230,8 +230,8 @@ def wait_for_all(space: Store, names: tuple[str, ...], timeout: float, key: str 
     """Wait until every member has joined torch's group once (a world's start).
 
     `key="ready"`: until every member knows the others (`mark_ready`), so that
-    no call reaches a member still starting. A worker that died before it
-    joined (or got ready) counts once its replacement has.
+    no call reaches a member still starting. A member that dies before then
+    is not replaced in place: the world starts again (`formed`).
     """
     keys = [f"{key}/{name}" for name in names]
     deadline = time.monotonic() + timeout
@@ -248,6 +248,11 @@ def wait_for_all(space: Store, names: tuple[str, ...], timeout: float, key: str 
 def mark_ready(space: Store, name: str) -> None:
     """`name` knows every member now: calls to it find its `Members` set."""
     space.set(f"ready/{name}", "1")
+
+
+def formed(space: Store, names: tuple[str, ...]) -> bool:
+    """True once every member has been ready once: from then on `main`s may run."""
+    return bool(space.check([f"ready/{name}" for name in names]))
 
 
 def read_names(space: Store, timeout: float) -> tuple[str, ...]:

@@ -39,12 +39,16 @@ _POLL_S = 0.005
 class Healer:
     """Replaces this supervisor's dead workers under their names, up to `max_restarts` in all."""
 
-    def __init__(self, store: Store, tag: str, names: tuple[str, ...], max_restarts: int) -> None:
+    def __init__(
+        self, store: Store, tag: str, names: tuple[str, ...], max_restarts: int, used: int = 0
+    ) -> None:
         self.root = store
         self.tag = tag
         self.names = names
         self.max_restarts = max_restarts
         self.space = _membership.heal_space(store, tag)
+        if used:  # restarts spent before this store (a world that started again as it formed)
+            self.space.add("restarts", used)
         self.side = PrefixStore(f"asyncrpc/{tag}/side/", store)
         self.rpc = PrefixStore(f"asyncrpc/{tag}/rpc/", store)  # as the workers' agents see it
         self.attempts = {name: 0 for name in names}
@@ -52,6 +56,14 @@ class Healer:
         self.ids = {name: rank for rank, name in enumerate(names)}
         self.count = 0  # the world's replacements so far, this supervisor's last included
         self.retry: set[str] = set()  # replacements stopped before they joined: start again
+
+    def formed(self) -> bool:
+        """True once every member has known the others (a `main` may run; see `_membership`).
+
+        Before, a death cannot be healed: the others wait in the world's start
+        for the dead process itself. Nothing has run yet, so the world starts again.
+        """
+        return _membership.formed(self.space, self.names)
 
     def ending(self) -> bool:
         """True once every member's `main` is done and the world ends (no more heals)."""

@@ -203,9 +203,10 @@ class Node:
     def _describe(self, local: int) -> str:
         rank = self.first + local
         names = self._names()
-        name = repr(names[rank]) if names else f"of rank {rank}"
         where = f"node {socket.gethostname()}, pid {self.procs[local].pid}"
-        return f"worker {name} (rank {rank}, {where})"
+        if not names:  # it died before the world's names were known
+            return f"the worker of rank {rank} ({where})"
+        return f"worker {names[rank]!r} (rank {rank}, {where})"
 
     def _names(self) -> tuple[str, ...] | None:
         if self.healer is not None:
@@ -219,8 +220,10 @@ class Node:
         rank, how = self.first + local, describe_exit(code)
         who = f"{self._describe(local)} {how}"
         names = self._names()
-        if names is None or not self.heal.check([f"id/{names[rank]}"]):
-            return f"{who} before it joined the world, which cannot replace it"
+        if names is None or not _membership.formed(self.heal, names):
+            # The others wait for it in the world's start: nothing ran yet, nothing to heal.
+            return (f"{who} while the world was starting (before every worker was ready), "
+                    f"which cannot replace it; start the run again")  # fmt: skip
         if self.healer is None:
             self.healer = Healer(self.store, TAG, names, self.plan.max_restarts)
         healer, name = self.healer, names[rank]

@@ -106,9 +106,7 @@ def run(
             "under a launcher it takes the launcher's"
         )
     if restart == "worker":
-        failure = _run_embedded(main, args, size, roles, settings, 0, _GRACE_S, max_restarts)
-        if failure is not None:
-            raise failure
+        _run_healing(main, args, size, roles, settings, max_restarts)
         return
     for attempt in range(max_restarts + 1):
         # Survivors get a grace period to report their own failure, unless the
@@ -127,6 +125,54 @@ def run(
             file=sys.stderr,
             flush=True,
         )
+
+
+class _Unformed(Exception):
+    """A worker died before the healing world had formed: nothing ran, start it again."""
+
+    def __init__(self, failure: WorkerFailedError) -> None:
+        super().__init__(failure.summary())
+        self.failure = failure
+
+
+def _run_healing(
+    main: Callable[..., object],
+    args: tuple[Any, ...],
+    size: int,
+    roles: Mapping[str, int] | None,
+    settings: _context.Settings,
+    max_restarts: int,
+) -> None:
+    """`restart="worker"`: one world healing in place, started again while it forms.
+
+    A worker that dies before every member is ready (no `main` has run) cannot
+    be replaced in place: the others wait for it in the world's start. The
+    world starts again, counted against `max_restarts`.
+    """
+    used = 0
+    while True:
+        try:
+            heal = (max_restarts, used)
+            failure = _run_embedded(main, args, size, roles, settings, 0, _GRACE_S, heal)
+        except _Unformed as unformed:
+            failure, used = unformed.failure, used + 1
+            if used > max_restarts:
+                failure.add_note(
+                    f"the world replaced workers {max_restarts} times (max_restarts="
+                    f"{max_restarts}); this failure, while the world started, ended it"
+                )
+                raise failure from None
+            print(
+                f"asyncrpc: while the world was starting, before any main ran: "
+                f"{failure.summary()}; starting the world again (restart {used} of "
+                f"{max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+            continue
+        if failure is not None:
+            raise failure
+        return
 
 
 def _check_restart(restart: object) -> None:
@@ -167,9 +213,13 @@ def _run_embedded(
     settings: _context.Settings,
     attempt: int,
     grace: float,
-    heal: int | None = None,
+    heal: tuple[int, int] | None = None,
 ) -> WorkerFailedError | None:
-    """One world of local workers; `heal`: replace dead ones in place, at most that many times."""
+    """One world of local workers.
+
+    `heal`: (max_restarts, used): replace dead workers in place, at most
+    max_restarts times in all, `used` of them spent on earlier starts.
+    """
     host = "127.0.0.1"
     # Pickled here, loaded in the worker's own try: a worker that cannot load them
     # sends the reason back instead of dying in multiprocessing's start-up.
@@ -184,7 +234,7 @@ def _run_embedded(
     # too): then the read sees the end of the pipe, and the worker stops itself.
     alive, held = spawner.Pipe(duplex=False)
     environ = dict(os.environ)
-    healer = _healer.Healer(store, "0", names, heal) if heal is not None else None
+    healer = _healer.Healer(store, "0", names, *heal) if heal is not None else None
 
     def spawn(rank: int, attempt: int, joining: Joining | None) -> tuple[BaseProcess, Connection]:
         reader, writer = spawner.Pipe(duplex=False)
@@ -468,6 +518,8 @@ def _heal(
 ) -> bool:
     """Replace worker `rank` in place; False when the world may not heal any more."""
     healer = healing.healer
+    if not healer.formed():
+        raise _Unformed(failure)  # _run_embedded stops every worker; run starts them again
     retry = healer.names[rank] in healer.retry
     unjoined = healer.joining() - {healer.names[rank]}  # they have nothing to forget
     if not retry:  # one stopped as it joined held torch's join token: no joiner saw it

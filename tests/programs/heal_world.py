@@ -10,6 +10,8 @@ SCENARIO:
            before and after; COUNT > MAX_RESTARTS: the last kill ends the world
   start    worker0's first calls reach peers slowed as they start (a GIL hog there):
            every peer knows the members when any main runs
+  formed   every worker says its attempt (deaths ordered at import: the world's start);
+           formed 0 MAX_RESTARTS
   world    restart="world": the whole world starts again, as before
 
 The driving worker prints one JSON object a line (`emit`); the workers share
@@ -47,18 +49,31 @@ ORDERS: queue.Queue[str] = queue.Queue()  # what `main` is told to do next (deat
 def _die_at_import() -> None:
     """A worker process imports this script before it joins the world: die or wait here.
 
-    `die-import-<name>` (consumed): exit 5 before joining. `slow-import`:
-    start 1 s later, so that a replacement stays "being replaced" a while.
+    `die-import-<name>` (consumed; it may hold a count): exit 5 before joining.
+    `kill-import-<name>` (consumed; it holds a delay in seconds): SIGKILL then,
+    as it joins.
+    `slow-import`: start 1 s later, so that a replacement stays "being
+    replaced" a while. `hog-start`: a thread hogs the GIL as it starts.
     """
     name = multiprocessing.current_process().name  # the worker's name, set before the import
     order = DIR / f"die-import-{name}"
-    if order.exists():
-        order.unlink()
+    if order.exists():  # it holds how many times (none: once)
+        text = order.read_text()
+        times = int(text) if text.isdigit() else 1
+        if times > 1:
+            order.write_text(str(times - 1))
+        else:
+            order.unlink()
         os._exit(5)
     if (DIR / "slow-import").exists() and name.startswith("worker"):
         time.sleep(1.0)
     if (DIR / "hog-start").exists() and name not in ("worker0", "MainProcess"):
         _hog_the_gil(3.0)
+    order = DIR / f"kill-import-{name}"
+    if order.exists():  # SIGKILL this process that many seconds on, as it joins (consumed)
+        delay = float(order.read_text())
+        order.unlink()
+        threading.Timer(delay, os.kill, args=(os.getpid(), signal.SIGKILL)).start()
 
 
 def _hog_the_gil(seconds: float) -> None:
@@ -454,6 +469,10 @@ def start(ctx: asyncrpc.Context) -> None:
     emit(check="start", first=first)
 
 
+def formed(ctx: asyncrpc.Context, *_: int) -> None:
+    emit(check="formed", name=ctx.name, attempt=ctx.attempt)
+
+
 # ---- world: restart="world" as before -------------------------------------------------------
 
 
@@ -475,7 +494,7 @@ def main(ctx: asyncrpc.Context, scenario: str, *args: int) -> None:
     if scenario != "world":
         obey(ctx)
     scenarios = {"basic": basic, "deaths": deaths, "faults": faults, "churn": churn,
-                 "start": start, "world": whole}  # fmt: skip
+                 "start": start, "formed": formed, "world": whole}  # fmt: skip
     scenarios[scenario](ctx, *args)
 
 

@@ -10,6 +10,7 @@ times, each time waiting for its replacement (`asyncrpc.on_replaced`).
 Then it prints ``RESULT {json}``: the replacement events, the victim's
 attempt as it says, the survivors' state and whether their processes are
 the same. With ``--hold S`` worker0 only sleeps S seconds (for signals).
+With ``--exit-at-start RANK`` that worker exits (code 3) before it joins.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ if __name__ == "__main__":
     parser.add_argument("--victim", default="worker2")
     parser.add_argument("--kills", type=int, default=1)
     parser.add_argument("--hold", type=float, default=0.0)
+    parser.add_argument("--exit-at-start", type=int, default=None)
     opts = parser.parse_args()
+    if opts.exit_at_start is not None and os.environ["RANK"] == str(opts.exit_at_start):
+        os._exit(3)
     asyncrpc.run(main, args=(opts.victim, opts.kills, opts.hold), restart="worker", rpc_timeout=30)
     sys.exit(0)
