@@ -15,7 +15,7 @@ from test_exits import assert_gone, descendants, kill_tree
 
 from asyncrpc._launch import _cli as _launch
 
-from conftest import PROGRAMS, bin_path, run_program, start_program
+from conftest import PROGRAMS, ROOT, bin_path, run_program, start_program
 
 
 def test_single_node_uses_a_loopback_store_on_a_free_port() -> None:
@@ -162,6 +162,19 @@ def test_a_bad_argument_from_the_command_line_starts_nothing() -> None:
         "asyncrpc-launch: error: --nproc-per-node must be a whole number above 0, 'auto' or "
         "'cpu' (one worker per CPU), or 'gpu' or 'xpu' (one per device) on a machine that "
         "has them, got '0'; `asyncrpc-launch --help` lists every option"
+    ]
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("restart", ["world", "worker"])
+def test_a_script_that_is_not_a_file_starts_nothing(restart: str) -> None:
+    argv = ["--nproc-per-node", "2", "--max-restarts", "2", "--restart", restart, "no_such.py"]
+    done = run_program(bin_path("asyncrpc-launch"), *argv, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"asyncrpc-launch: error: the script 'no_such.py' is not a file (looked for from "
+        f"{ROOT}); pass the path of a Python script, or -m MODULE; `asyncrpc-launch --help` "
+        f"lists every option"
     ]
 
 

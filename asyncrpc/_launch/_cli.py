@@ -389,6 +389,20 @@ def _one_line_on_signals() -> Iterator[None]:
             logger.removeFilter(notes)
 
 
+def _check_script(args: argparse.Namespace) -> None:
+    """Exit 2 with one line if the script to run is not a file (before any worker starts).
+
+    Otherwise every worker fails at its start, and a world that heals
+    would start them again until `--max-restarts` is spent.
+    """
+    if args.module or args.no_python or os.path.isfile(args.training_script):
+        return
+    _parser().error(
+        f"the script {args.training_script!r} is not a file (looked for from {os.getcwd()}); "
+        f"pass the path of a Python script, or -m MODULE"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of `asyncrpc-launch`."""
     from torch.distributed.run import run
@@ -397,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     with _one_line_on_signals():
         args = build_args(sys.argv[1:] if argv is None else argv)
+        _check_script(args)
         if args.restart == "worker":
             _set_child_env(args)
             raise SystemExit(_nodes.run(args, local_workers(args.nproc_per_node)))
