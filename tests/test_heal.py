@@ -171,8 +171,20 @@ def test_deaths_while_the_world_starts_past_max_restarts_end_it_named() -> None:
     assert "WorkerFailedError: worker 'worker1' (rank 1) exited with code 5" in done.stderr
     assert "starting the world again (restart 1 of 1)" in done.stderr
     assert (
-        "the world replaced workers 1 times (max_restarts=1); this failure, while the world "
-        "started, ended it"
+        "the world was started again 1 times as it started (max_restarts=1); this failure, "
+        "while it started, ended it"
+    ) in done.stderr, done.stderr[-3000:]
+
+
+def test_a_start_again_and_a_heal_share_max_restarts() -> None:
+    orders = {"die-import-worker1": "", "die-worker2-0": "kill"}  # at import; in main
+    done, _ = _run("formed", "0", "1", orders=orders)
+    assert done.returncode != 0
+    assert "starting the world again (restart 1 of 1)" in done.stderr, done.stderr[-3000:]
+    assert "WorkerFailedError: worker 'worker2' (rank 2) was killed by SIGKILL" in done.stderr
+    assert (
+        "the world was started again 1 times as it started and replaced workers 0 times "
+        "(max_restarts=1); this failure ended it"
     ) in done.stderr, done.stderr[-3000:]
 
 

@@ -47,7 +47,8 @@ class Healer:
         self.names = names
         self.max_restarts = max_restarts
         self.space = _membership.heal_space(store, tag)
-        if used:  # restarts spent before this store (a world that started again as it formed)
+        self.started_again = used  # restarts spent before this store, as the world formed
+        if used:
             self.space.add("restarts", used)
         self.side = PrefixStore(f"asyncrpc/{tag}/side/", store)
         self.rpc = PrefixStore(f"asyncrpc/{tag}/rpc/", store)  # as the workers' agents see it

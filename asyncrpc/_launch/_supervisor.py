@@ -158,8 +158,8 @@ def _run_healing(
             failure, used = unformed.failure, used + 1
             if used > max_restarts:
                 failure.add_note(
-                    f"the world replaced workers {max_restarts} times (max_restarts="
-                    f"{max_restarts}); this failure, while the world started, ended it"
+                    f"the world was started again {max_restarts} times as it started "
+                    f"(max_restarts={max_restarts}); this failure, while it started, ended it"
                 )
                 raise failure from None
             print(
@@ -173,6 +173,20 @@ def _run_healing(
         if failure is not None:
             raise failure
         return
+
+
+def _spent(max_restarts: int, started_again: int) -> str:
+    """The note of a failure past `max_restarts` in a world that heals."""
+    if not started_again:
+        return (
+            f"the world replaced workers {max_restarts} times (max_restarts={max_restarts}); "
+            f"this failure ended it"
+        )
+    return (
+        f"the world was started again {started_again} times as it started and replaced "
+        f"workers {max_restarts - started_again} times (max_restarts={max_restarts}); "
+        f"this failure ended it"
+    )
 
 
 def _check_restart(restart: object) -> None:
@@ -530,10 +544,7 @@ def _heal(
     joining = healer.replace(rank, how, alive, lambda name: by_name[name].is_alive())
     if joining is None:
         if healer.count > healer.max_restarts:
-            failure.add_note(
-                f"the world replaced workers {healer.max_restarts} times (max_restarts="
-                f"{healer.max_restarts}); this failure ended it"
-            )
+            failure.add_note(_spent(healer.max_restarts, healer.started_again))
         return False
     try:
         if failure.remote_traceback:
