@@ -21,7 +21,7 @@ import pytest
 
 from asyncrpc._core import _registry
 
-from conftest import PROGRAMS, ROOT, bin_path
+from conftest import PROGRAMS, ROOT, bin_path, run_program
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(150)]
 HANG = str(ROOT / "examples" / "hang.py")
@@ -174,6 +174,15 @@ class _Lines:
                 return joined
             time.sleep(0.1)
         return "".join(self.lines)
+
+
+def test_the_commands_end_cleanly_while_a_thread_waits_on_a_store_that_died() -> None:
+    program = str(PROGRAMS / "store_thread_exit.py")
+    plain = run_program("python", program, "plain", timeout=60)  # what the commands avoid
+    done = run_program("python", program, "run_command", timeout=60)
+    assert done.returncode == 0 and done.stdout == "answered\n", (
+        done.returncode, done.stderr[-3000:], "plain:", plain.returncode,
+    )  # fmt: skip
 
 
 def test_a_busy_worker_shows_in_top_and_its_stack_in_the_dump(tmp_path: pathlib.Path) -> None:

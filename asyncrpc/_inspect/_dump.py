@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from .._core import _waits
-from ._worlds import ask_world, attempt_note, pick_world
+from ._worlds import ask_world, attempt_note, pick_world, run_command
 
 __all__ = ["dump", "main"]
 
@@ -78,7 +78,11 @@ def _render_worker(worker: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The `asyncrpc-dump` command."""
+    """The `asyncrpc-dump` command (it ends the process: `run_command`)."""
+    run_command(_main, argv)
+
+
+def _main(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(
         prog="asyncrpc-dump",
         description="Print every worker's calls, stacks and waits; name cycles of waits.",

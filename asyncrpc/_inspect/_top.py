@@ -24,7 +24,15 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from .._core import _registry
-from ._worlds import Unreachable, ask_world, attempt_note, pick_world, quiet_stderr, try_ask_world
+from ._worlds import (
+    Unreachable,
+    ask_world,
+    attempt_note,
+    pick_world,
+    quiet_stderr,
+    run_command,
+    try_ask_world,
+)
 
 __all__ = ["COLUMNS", "main", "rows"]
 
@@ -181,7 +189,11 @@ def _draw(address: str, entry: dict[str, Any], interval: float, stop: threading.
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The `asyncrpc-top` command."""
+    """The `asyncrpc-top` command (it ends the process: `run_command`)."""
+    run_command(_main, argv)
+
+
+def _main(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(
         prog="asyncrpc-top", description="A live view of a running asyncrpc world."
     )

@@ -25,14 +25,15 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from .._core import _registry, _side
 
 __all__ = [
     "Unreachable", "ask_world", "attempt_note", "is_stopped", "pick_world", "quiet_stderr",
-    "store_holder", "try_ask_world",
+    "run_command", "store_holder", "try_ask_world",
 ]  # fmt: skip
 
 EXIT_NO_WORLD = 1
@@ -341,6 +342,33 @@ def _listing(worlds: dict[str, list[dict[str, Any]]]) -> str:
         for address, entries in sorted(worlds.items())
     ]
     return "the worlds running:\n" + "\n".join(rows)
+
+
+def run_command(command: Callable[[list[str] | None], None], argv: list[str] | None) -> NoReturn:
+    """Run an inspecting command, then end the process at once (`os._exit`), output flushed.
+
+    A thread of ours may still be inside torch's store client (a store that
+    went away while it was asked): the interpreter's teardown then meets
+    torch's C++ objects half-used, and the process aborts (SIGABRT,
+    "terminate called without an active exception") after a complete answer.
+    """
+    code = 0
+    try:
+        command(argv)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+    os._exit(code)
 
 
 def _fail(code: int, message: str) -> NoReturn:
