@@ -218,7 +218,8 @@ def test_the_live_top_draws_a_table_a_terminal_shows(tmp_path: pathlib.Path) -> 
     try:
         _registered(tmp_path, 2)
         primary, secondary = pty.openpty()
-        env = {**_env(tmp_path), "TERM": "xterm-256color", "COLUMNS": "80", "LINES": "40"}
+        env = {**_env(tmp_path), "TERM": "xterm-256color", "COLUMNS": "80", "LINES": "40",
+               "PYTHONFAULTHANDLER": "1"}  # fmt: skip  # SIGABRT: its stacks, if it hangs
         top = subprocess.Popen(
             [bin_path("asyncrpc-top"), "--interval", "0.5"], cwd=ROOT, env=env,
             stdin=secondary, stdout=secondary, stderr=secondary,
@@ -231,15 +232,11 @@ def test_the_live_top_draws_a_table_a_terminal_shows(tmp_path: pathlib.Path) -> 
             except OSError:
                 break
         top.send_signal(signal.SIGINT)  # Ctrl-C: leaves quietly
-        after = b""
-        while True:  # read on, as a terminal does, or its last writes could block it
-            try:
-                read = os.read(primary, 65536)
-            except OSError:  # it has exited: its end of the terminal is closed
-                break
-            if not read:
-                break
-            after += read
+        after = _read_to_the_end(primary, within=30)  # as a terminal does: its writes go on
+        if after is None:  # still running: its stacks, then the test fails
+            top.send_signal(signal.SIGABRT)
+            stacks = _read_to_the_end(primary, within=5) or b""
+            raise AssertionError(f"asyncrpc-top ran on after Ctrl-C:\n{stacks.decode(errors="replace")[-6000:]}")
         top.wait(30)
         os.close(primary)
     finally:
@@ -251,6 +248,24 @@ def test_the_live_top_draws_a_table_a_terminal_shows(tmp_path: pathlib.Path) -> 
     assert "busy: busy/total RPC threads" in text
     assert "\x1b[" in text and "─" in text  # drawn by rich, in place, as a terminal shows it
     assert top.returncode == 0, after.decode(errors="replace")[-3000:]
+
+
+def _read_to_the_end(primary: int, within: float) -> bytes | None:
+    """What a terminal shows until its program exits; None if it runs on past `within` s."""
+    import select
+
+    shown, deadline = b"", time.monotonic() + within
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([primary], [], [], left)[0]:
+            break
+        try:
+            read = os.read(primary, 65536)
+        except OSError:  # it has exited: its end of the terminal is closed
+            return shown
+        if not read:
+            return shown
+        shown += read
+    return None
 
 
 def test_the_commands_say_when_no_world_or_several_are_running(tmp_path: pathlib.Path) -> None:
