@@ -236,7 +236,8 @@ def test_the_live_top_draws_a_table_a_terminal_shows(tmp_path: pathlib.Path) -> 
         if after is None:  # still running: its stacks, then the test fails
             top.send_signal(signal.SIGABRT)
             stacks = _read_to_the_end(primary, within=5) or b""
-            raise AssertionError(f"asyncrpc-top ran on after Ctrl-C:\n{stacks.decode(errors="replace")[-6000:]}")
+            shown = stacks.decode(errors="replace")[-6000:]
+            raise AssertionError(f"asyncrpc-top ran on after Ctrl-C:\n{shown}")
         top.wait(30)
         os.close(primary)
     finally:
