@@ -8,12 +8,14 @@ exactly the worlds it started.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -28,9 +30,20 @@ HANG = str(ROOT / "examples" / "hang.py")
 BUSY = str(PROGRAMS / "busy_world.py")
 
 
+def short_tmp(runtime: pathlib.Path) -> pathlib.Path:
+    """A TMPDIR of this test's own with a short path, the same for the same `runtime`.
+
+    Not under pytest's temporary folder: its path grows with every run on a
+    machine, and the forkserver's socket in TMPDIR must fit AF_UNIX's 107 bytes.
+    """
+    digest = hashlib.sha1(str(runtime).encode()).hexdigest()[:12]
+    path = pathlib.Path(tempfile.gettempdir()) / f"asyncrpc-test-{digest}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
 def _env(runtime: pathlib.Path) -> dict[str, str]:
-    (runtime / "tmp").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "TMPDIR": str(runtime / "tmp")}
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "TMPDIR": str(short_tmp(runtime))}
     for key in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         env.pop(key, None)
     return env

@@ -14,6 +14,7 @@ import pathlib
 from typing import Any
 
 import pytest
+from test_inspect import short_tmp
 
 from asyncrpc._inspect import _dump, _top
 
@@ -34,8 +35,7 @@ def _by_name(workers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 @pytest.mark.subprocess
 @pytest.mark.timeout(120)
 def test_dump_top_and_trace_name_a_replacement_with_its_attempt(tmp_path: pathlib.Path) -> None:
-    (tmp_path / "tmp").mkdir()
-    env = {"XDG_RUNTIME_DIR": str(tmp_path), "TMPDIR": str(tmp_path / "tmp")}
+    env = {"XDG_RUNTIME_DIR": str(tmp_path), "TMPDIR": str(short_tmp(tmp_path))}
     trace = tmp_path / "trace.json"
     done = run_program("python", str(PROGRAMS / "inspect_heal.py"), str(trace), env=env)
     out = done.stdout

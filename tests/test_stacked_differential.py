@@ -206,6 +206,8 @@ def _hook(c: Copies, index: int, kind: str) -> None:
             lambda m, sd, prefix, meta: None
         ),
     }
+    if kind in ("tensor", "accumulate") and not first.requires_grad:
+        return  # a frozen parameter takes no gradient hook (torch refuses one), as in eager
     c.handles.append(register[kind]())
 
 
