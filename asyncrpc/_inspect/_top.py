@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -162,7 +161,7 @@ def _live(address: str, entry: dict[str, Any], interval: float) -> None:
     Ctrl-C only sets a flag: raised inside a call to the store, it would come
     out as the store's error (or stop a write to the terminal half-way).
     """
-    stop = threading.Event()
+    stop = _Flag()
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         with quiet_stderr():  # torch's C++ log of a store that went away: the view says it
@@ -174,7 +173,31 @@ def _live(address: str, entry: dict[str, Any], interval: float) -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-def _draw(address: str, entry: dict[str, Any], interval: float, stop: threading.Event) -> None:
+class _Flag:
+    """Set by the Ctrl-C handler; the view polls it. Not a `threading.Event`: its `set`
+    takes the lock that the interrupted `wait` may hold, and the view then hangs."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def set(self) -> None:
+        self.stopped = True
+
+    def is_set(self) -> bool:
+        return self.stopped
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds`, waking early once set; whether it is set."""
+        deadline = time.monotonic() + seconds
+        while not self.stopped and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, _POLL_S))
+        return self.stopped
+
+
+_POLL_S = 0.05
+
+
+def _draw(address: str, entry: dict[str, Any], interval: float, stop: _Flag) -> None:
     try:
         from rich.live import Live
     except ImportError:
