@@ -32,7 +32,7 @@ import torch
 from torch.futures import Future
 
 from ._core import _calls, _cancel, _torch
-from ._core._errors import BatchNotSentError, CancelledError
+from ._core._errors import BatchNotSentError, CancelledError, WorkerUnreachableError
 from ._core._execution import Kind, classify, run_python, run_python_async
 from ._core._failures import hold, label_of
 from ._core._futures import Settle, completed
@@ -125,8 +125,11 @@ class Batch:
     def send(self) -> None:
         """Send what was added, one message per worker; a Batch can be filled and sent again.
 
-        If a message cannot be sent, its calls and those of the messages not
-        yet sent fail, and the error is raised.
+        A message whose worker cannot be reached (it died, or is being
+        replaced) fails its own calls with that `WorkerUnreachableError`, and
+        the others are sent. If a message cannot be sent for another reason
+        (an argument that cannot be pickled), its calls and those of the
+        messages not yet sent fail, and the error is raised.
         """
         left = list(self._take().items())
         while left:
@@ -137,6 +140,9 @@ class Batch:
                 call = _calls.check("Batch.send", worker, run_batch, (entries,), None,
                                     self._timeout, label)  # fmt: skip
                 reply = _calls.send(call)
+            except WorkerUnreachableError as exc:  # that worker's calls only: a death's
+                _fail_all(items, exc)
+                continue
             except BaseException as exc:
                 _fail_all(items, exc)
                 unsent = BatchNotSentError("not sent: another message of this Batch failed")

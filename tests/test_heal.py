@@ -24,7 +24,7 @@ from test_exits import assert_gone, descendants, kill_tree
 
 import asyncrpc
 
-from conftest import PROGRAMS, ROOT, run_program
+from conftest import PROGRAMS, ROOT, run_program, start_program
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
 
@@ -109,7 +109,8 @@ def test_every_way_to_die_is_healed_rank_0_too() -> None:
         "'worker1' (rank 1) exited with code 3 before",
         "'worker1' (rank 1) raised RuntimeError: heal test: worker1 raised at attempt 3; "
         "replacing it in place (restart 4 of 7)",
-        "'worker1' (rank 1) exited with code 0 before",
+        "'worker1' (rank 1) exited with code 0 while its world still ran (a normal exit, "
+        "such as os._exit(0), not a return from main); replacing it in place (restart 5 of 7)",
         "'worker0' (rank 0) was killed by SIGKILL; replacing it in place (restart 7 of 7)",
     ]:
         assert how in done.stderr, how
@@ -283,3 +284,23 @@ def test_an_unknown_restart_is_refused_before_any_process_starts() -> None:
         asyncrpc.run(_never_runs, world_size=2, restart="bogus")
     with pytest.raises(ValueError, match=r"max_restarts=0; pass max_restarts=K with K >= 1"):
         asyncrpc.run(_never_runs, world_size=2, restart="worker")
+
+
+def test_a_replacement_still_importing_stops_with_its_supervisor(tmp_path: pathlib.Path) -> None:
+    # It dies with the warm interpreter it was forked from from its first instruction,
+    # not from when its own code starts, after the script's import.
+    proc = start_program(sys.executable, str(PROGRAMS / "heal_slow_import.py"),
+                         env={"SLOW_DIR": str(tmp_path)})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("importing-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        importing = [int(p.name.split("-")[1]) for p in tmp_path.glob("importing-*")]
+        assert importing, "the replacement never started importing"
+        tree = descendants(proc.pid) | set(importing)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert_gone(tree, within=8)
+    finally:
+        kill_tree(proc.pid)
+        proc.communicate(timeout=30)

@@ -38,6 +38,7 @@ INSIDE: dict[str, list[str]] = {
         "_rendezvous",
         "_liveness",
         "_membership",
+        "_forks",
         "_registry",
         "_snapshot",
         "_side",
@@ -67,7 +68,7 @@ INSIDE: dict[str, list[str]] = {
         "_fanout",
     ],
     "_trace": ["_timeline", "_render", "_trace"],
-    "_launch": ["_parent", "_launched", "_healer", "_supervisor", "_nodes", "_cli"],
+    "_launch": ["_parent", "_forkserver", "_launched", "_healer", "_supervisor", "_nodes", "_cli"],
     "_inspect": ["_worlds", "_dump", "_top"],
 }
 

@@ -132,3 +132,39 @@ def test_failing_async_calls_and_methods_leave_nothing_alive(world: asyncrpc.Con
     alive, _ = _settle(expected=0)
     assert alive == 0, "the owner keeps the object of a handle that is gone"
     print(f"callee RSS {start_rss} KiB -> {end_rss} KiB after {2 * CALLS} failed calls")
+
+
+def _reads_its_source(fut: torch.futures.Future[Any]) -> Any:
+    return fut.wait()  # raises the source's CancelledError inside the callback
+
+
+def test_cancelled_then_children_and_failed_batches_free_their_futures(
+    world: asyncrpc.Context,
+) -> None:
+    # A failure kept in a Future kept the frames it was raised through, and through
+    # their f_back the frames that called them: a then-callback's (or a Batch's reply
+    # callback's) holding the very Future the failure was kept in, a cycle through
+    # torch's C++ Future that gc cannot see into.
+    refs = []
+    for _ in range(100):
+        source = asyncrpc.rpc_async("worker1", time.sleep, args=(5,))
+        child = source.then(_reads_its_source)
+        assert child.cancel()
+        with pytest.raises(asyncrpc.CancelledError):
+            child.wait()
+        refs += [weakref.ref(source), weakref.ref(child)]
+        with asyncrpc.Batch(timeout=0.05) as batch:  # every call of it fails: a timeout
+            calls = [batch.rpc_async("worker1", time.sleep, args=(0.3,)) for _ in range(3)]
+        for call in calls:
+            with pytest.raises(asyncrpc.CallTimeoutError):
+                call.wait()
+        refs += [weakref.ref(call) for call in calls]
+        del source, child, calls, call
+    deadline = time.monotonic() + 10  # a callback still running on torch's threads lets go
+    while True:
+        gc.collect()
+        alive = sum(ref() is not None for ref in refs)
+        if alive == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert alive == 0, f"{alive} of {len(refs)} failed or cancelled Futures are still alive"

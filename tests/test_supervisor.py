@@ -33,6 +33,18 @@ def test_ring_prints_the_same_three_ways(launcher: list[str]) -> None:
     assert done.stdout.splitlines() == RING_OUTPUT
 
 
+@pytest.mark.subprocess
+def test_a_deep_tmpdir_still_starts_an_embedded_world(tmp_path: pathlib.Path) -> None:
+    # The warm interpreter's socket lives under TMPDIR and must fit AF_UNIX's 107
+    # bytes: under a deeper TMPDIR its folder is made in a short one instead.
+    deep = tmp_path / ("deep" * 10) / ("er" * 20)
+    deep.mkdir(parents=True)
+    assert len(str(deep)) > 100
+    done = run_program("python", RING, env={"TMPDIR": str(deep)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == RING_OUTPUT
+
+
 def test_roles_name_the_workers_and_args_reach_main() -> None:
     done = run_program("python", str(PROGRAMS / "roles.py"))
     assert done.returncode == 0, done.stderr

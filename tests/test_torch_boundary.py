@@ -470,3 +470,91 @@ def test_share_version_links_a_tensor_to_a_row_keeping_what_it_is() -> None:
     assert not _torch.share_version(weight, stack[2])
     del out
     assert _torch.share_version(weight, stack[2])
+
+
+# ---- a world that heals: members kept, RRefs crossing without torch's fork messages ----
+
+
+def forks_here() -> int:
+    return int(torch._C._distributed_rpc._rref_context_get_debug_info()["num_forks"])
+
+
+def value_by_id(owner: int, created_on: int, local_id: int) -> object:
+    """On the owner: its own object, found by id (no fork, no message)."""
+    return _torch.owner_view(owner, (created_on, local_id), _torch.PY_OBJECT).local_value()
+
+
+def fork_for_another(created_on: int, local_id: int) -> tuple[object, ...]:
+    """On the owner: a fork of its RRef made for another worker, registered now."""
+    own = _torch.owner_view(_torch.own_id(), (created_on, local_id), _torch.PY_OBJECT)
+    return _torch.fork_from_owner(own)
+
+
+def adopt_and_read(data: tuple[object, ...]) -> object:
+    rref = _torch.adopt_fork(data)
+    return rref.to_here()
+
+
+def test_rrefs_found_by_id_and_forks_made_by_their_owner(world: asyncrpc.Context) -> None:
+    rref = _torch.remote("worker1", str.upper, args=("held",))
+    assert rref.to_here() == "HELD"
+    created_on, local_id = _torch.rref_id(rref)
+    assert (created_on, _torch.own_id()) == (0, 0)
+    forks = _torch.rpc_sync("worker1", forks_here)
+    # The owner finds its own object by id: nothing forked, nothing to confirm.
+    assert _torch.rpc_sync("worker1", value_by_id, args=(1, created_on, local_id)) == "HELD"
+    assert _torch.rpc_sync("worker1", forks_here) == forks
+    # A fork the owner makes for worker2 is registered at once; worker2 takes it in
+    # without a message, and gives it back when it drops it.
+    data = _torch.rpc_sync("worker1", fork_for_another, args=(created_on, local_id))
+    assert (data[0], data[5], data[6]) == (1, 1, _torch.PY_OBJECT)  # owner, parent, type
+    assert _torch.rpc_sync("worker1", forks_here) == forks + 1
+    assert _torch.rpc_sync("worker2", adopt_and_read, args=(data,)) == "HELD"
+    deadline = time.monotonic() + 10
+    while _torch.rpc_sync("worker1", forks_here) != forks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _torch.rpc_sync("worker1", forks_here) == forks
+
+
+def test_the_agent_knows_every_member_and_a_pipe_to_nobody_is_no_error(
+    world: asyncrpc.Context,
+) -> None:
+    assert _torch.known_ids() == set(range(world.world_size))
+    assert _torch.worker_info("worker2").id == 2
+    _torch.close_pipe("no-such-worker")  # not known here: nothing to close
+
+
+def test_rref_pickling_is_patched_while_installed(world: asyncrpc.Context) -> None:
+    pickler = torch.distributed.rpc.internal._internal_rpc_pickler
+    receiver = vars(torch.distributed.rpc.internal._InternalRPCPickler)["_py_rref_receiver"]
+    assert "_py_rref_reducer" in vars(pickler)  # asyncrpc's, over torch's method
+    assert receiver.__func__.__wrapped__ is not None  # asyncrpc's, wrapping torch's
+    # Put back by the last shutdown: tests/programs/side_effects.py compares both.
+
+
+def test_torchs_texts_for_unknown_members_and_lost_objects_are_recognised() -> None:
+    for text, kind in [
+        ("name:worker1,rank:172 could not find destination name worker4", "unreachable"),
+        ("name:worker1,rank:3 could not find destination url for name worker4", "unreachable"),
+        ("Error on Node 1: could not find destination id 3", "lost"),
+        ("Error on Node 2: ObjectLostError: the object ... lived on worker 'worker3'", "lost"),
+        (
+            "this->threadPool_.inThreadPool() INTERNAL ASSERT FAILED at tensorpipe_agent.cpp:862,"
+            " please report a bug to PyTorch. Future marked complete from outside the thread pool",
+            "unreachable",
+        ),
+    ]:
+        assert _torch.failure_kind(RuntimeError(text)) == kind, text
+
+
+def value_by_id_of_any_type(owner: int, created_on: int, local_id: int) -> object:
+    return _torch.owner_view(owner, (created_on, local_id), "").local_value()
+
+
+def test_an_owner_finds_its_object_by_id_whatever_its_type(world: asyncrpc.Context) -> None:
+    # torch's refusal of a wrong type names the right one (a builtin's value is a Tensor).
+    rref = _torch.remote("worker1", torch.ones, args=((2,),))
+    assert torch.equal(rref.to_here(), torch.ones(2))
+    ids = (1, *_torch.rref_id(rref))
+    assert torch.equal(_torch.rpc_sync("worker1", value_by_id_of_any_type, args=ids),
+                       torch.ones(2))  # fmt: skip

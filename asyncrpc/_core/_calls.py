@@ -221,8 +221,8 @@ def _worker_name(verb: str, to: object, names: Sequence[str]) -> str:
                 f"{verb}: no worker has rank {to}; ranks run from 0 to {len(names) - 1}"
             )
         return names[to]
-    if isinstance(to, WorkerInfo):
-        return _worker_name(verb, str(to.name), names)
+    if isinstance(to, WorkerInfo):  # a replacement's is "name:<torch id>" (_membership)
+        return _worker_name(verb, str(to.name).split(":", 1)[0], names)
     raise ValueError(  # torch's own type here
         f"{verb}: 'to' must be a worker name, rank or WorkerInfo, got "
         f"{type(to).__name__} {to!r:.60}; e.g. to='worker1' or to=1"
@@ -248,11 +248,13 @@ def send(call: Call, cancellable: bool = True) -> Future[Any]:
     traced, replied = _traced(call.worker, call.func)
     func, args, kwargs = _wrapped(call.func, traced, call.args, call.kwargs, call.sent.key)
     try:
-        if kwargs is None and isinstance(call.to, WorkerInfo) and func in _RUNNERS:
-            is_async = func is run_python_async
-            fut = _torch.send_python(call.to, func, args or (), {}, call.seconds, is_async)
-        else:
-            fut = _torch.send_torch(call.to, func, args, kwargs, call.seconds)
+        healing = _healing(call)
+        if healing is None:
+            fut = _send_now(call, func, args, kwargs)
+        else:  # its RRefs cross as `_forks` says; those sent by id live until the reply
+            with _torch.sending_to(healing) as keep:
+                fut = _send_now(call, func, args, kwargs)
+            _torch.keep_until_done(fut, keep)
     except Exception as exc:
         raise_unsendable(exc, call.worker, call.label)
     if cancellable:
@@ -280,14 +282,38 @@ def send_remote(call: Call) -> rpc.RRef[Any]:
     traced, replied = _traced(call.worker, call.func)
     func, args, kwargs = _wrapped(call.func, traced, call.args, call.kwargs, call.sent.key)
     try:
-        rref = _torch.remote(call.to, func, args=args, kwargs=kwargs, timeout=call.seconds)
+        healing = _healing(call)
+        if healing is None:
+            rref = _torch.remote(call.to, func, args=args, kwargs=kwargs, timeout=call.seconds)
+        else:
+            with _torch.sending_to(healing) as keep:
+                rref = _torch.remote(call.to, func, args=args, kwargs=kwargs,
+                                     timeout=call.seconds)  # fmt: skip
+            _torch.keep_until_done(_torch.rref_future(rref), keep)
     except Exception as exc:
         raise_unsendable(exc, call.worker, call.label)
+    if func in _RUNNERS:  # the owner keeps a Python function's value: torch's PyObject
+        _torch.note_kind(rref, _torch.PY_OBJECT)
     if replied is not None:
         _torch.rref_future(rref).add_done_callback(replied)
     if call.hang_after:
         _watch_torch_future(_torch.rref_future(rref), call)
     return rref  # type: ignore[no-any-return]
+
+
+def _healing(call: Call) -> int | None:
+    """The callee's torch id in a world that heals (see `_forks`), else None."""
+    world = _world._world
+    if world is None or world.members is None or not isinstance(call.to, WorkerInfo):
+        return None
+    return int(call.to.id)
+
+
+def _send_now(call: Call, func: Any, args: Any, kwargs: Any) -> Any:
+    if kwargs is None and isinstance(call.to, WorkerInfo) and func in _RUNNERS:
+        is_async = func is run_python_async
+        return _torch.send_python(call.to, func, args or (), {}, call.seconds, is_async)
+    return _torch.send_torch(call.to, func, args, kwargs, call.seconds)
 
 
 def _watch_torch_future(fut: Future[Any], call: Call) -> None:

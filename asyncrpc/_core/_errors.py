@@ -181,6 +181,11 @@ class WorkerFailedError(AsyncRPCError):
         how = describe_exit(self.exitcode)
         if self.exitcode is not None and self.exitcode < 0:
             return f"{who} {how}"
+        if self.exitcode == 0:  # no error: it left without returning from main
+            return (
+                f"{who} {how} while its world still ran (a normal exit, such as os._exit(0), "
+                f"not a return from main)"
+            )
         return f"{who} {how} before it could report an error; its own output above may say why"
 
     def __reduce__(self) -> tuple[object, ...]:

@@ -30,9 +30,11 @@ torch's own form, `RemoteException`, which torch raises there.
 from __future__ import annotations
 
 import copy
-import inspect
+import functools
 import os
 import pickle
+import re
+import sys
 import threading
 import traceback
 import types
@@ -42,6 +44,7 @@ from . import _torch
 from ._errors import (
     AsyncRPCError,
     CallTimeoutError,
+    ObjectLostError,
     RemoteError,
     SerializationError,
     WorkerUnreachableError,
@@ -147,26 +150,20 @@ def capture(error: BaseException, where: str, func: object, for_torch: bool = Fa
 
 # ---- keeping exceptions without frames, and copying them ---------------------------
 
-# A generator's or coroutine's frame may be suspended, not finished; clearing it
-# would close the generator. Such frames are left out of a kept traceback instead.
-_RESUMABLE = (
-    inspect.CO_GENERATOR
-    | inspect.CO_COROUTINE
-    | inspect.CO_ASYNC_GENERATOR
-    | inspect.CO_ITERABLE_COROUTINE
-)
-
 
 def detach(error: BaseException, memo: dict[int, BaseException] | None = None) -> BaseException:
-    """A copy of `error` to keep in a Future, holding no frame's locals.
+    """A copy of `error` to keep in a Future, holding no frame of the program.
 
     `error` itself may still be propagating (its traceback then grows with
     every frame it passes, frames that may hold the very Future), so a copy
-    is kept: same type, arguments, attributes and notes; its traceback keeps
-    only finished frames, their locals cleared (running frames and
-    generators' frames are left out); its `__cause__`, `__context__` and
-    group members are detached too. Locals are cleared in place: a debugger
-    looking at `error` afterwards sees its inner frames without them.
+    is kept: same type, arguments, attributes and notes; its `__cause__`,
+    `__context__` and group members are detached too. Its traceback names
+    the same functions, files and lines, but on stand-in frames
+    (`_stand_ins`): a real frame, even cleared, holds the frame that called
+    it, and that one its caller, locals and all (a callback's frame holding
+    the very Future the error is kept in: a cycle through C++ that gc cannot
+    see). Frames still running (the one that caught the error, and its
+    callers) are left out.
     """
     memo = {} if memo is None else memo
     if id(error) in memo:
@@ -176,7 +173,7 @@ def detach(error: BaseException, memo: dict[int, BaseException] | None = None) -
     else:
         twin = _copy(error)
     memo[id(error)] = twin
-    twin.__traceback__ = _finished_frames(error.__traceback__)
+    twin.__traceback__ = _stand_ins(error.__traceback__)
     cause, context = error.__cause__, error.__context__
     twin.__cause__ = None if cause is None else detach(cause, memo)
     twin.__context__ = None if context is None else detach(context, memo)
@@ -184,21 +181,49 @@ def detach(error: BaseException, memo: dict[int, BaseException] | None = None) -
     return twin
 
 
-def _finished_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    kept: list[types.TracebackType] = []
+def _stand_ins(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """`tb` again, less the frames running on this thread, each frame a stand-in."""
+    running = set()
+    frame: types.FrameType | None = sys._getframe()
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    entries = []
     while tb is not None:
-        if not tb.tb_frame.f_code.co_flags & _RESUMABLE:
-            try:
-                tb.tb_frame.clear()
-            except RuntimeError:  # still running (the frame that caught it): leave it out
-                pass
-            else:
-                kept.append(tb)
+        if id(tb.tb_frame) not in running:
+            entries.append((tb.tb_frame.f_code, tb.tb_lineno))
         tb = tb.tb_next
     rebuilt = None
-    for entry in reversed(kept):
-        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    for code, line in reversed(entries):
+        rebuilt = types.TracebackType(rebuilt, _stand_in(code), -1, line)
     return rebuilt
+
+
+def _stand_in(code: types.CodeType) -> types.FrameType:
+    """A frame that shows as `code`'s (its name, file and line) and holds nothing.
+
+    The frame of a generator suspended at its first `yield`: no locals, no
+    calling frame (`f_back` is None), and it stays so once the generator is
+    gone (then it is closed while nothing runs it).
+    """
+    gen = types.FunctionType(_stand_in_code(code), {})()
+    next(gen)
+    frame: types.FrameType = gen.gi_frame
+    return frame
+
+
+@functools.lru_cache(maxsize=4096)
+def _stand_in_code(code: types.CodeType) -> types.CodeType:
+    return _suspended.__code__.replace(
+        co_name=code.co_name,
+        co_qualname=code.co_qualname,
+        co_filename=code.co_filename,
+        co_firstlineno=code.co_firstlineno,
+    )
+
+
+def _suspended() -> Any:
+    yield
 
 
 def _fresh(error: BaseException) -> BaseException:
@@ -353,7 +378,9 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
         return error
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     named: BaseException
-    if kind == "timeout":
+    if kind == "lost":
+        named = _lost(error, worker, func)
+    elif kind == "timeout":
         named = CallTimeoutError(
             f"the call to {label_of(func)} on worker {worker!r} timed out ({first}); pass a "
             f"larger timeout=..., or check that {worker!r} is not stuck",
@@ -380,6 +407,27 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
         )
     named.__cause__ = error
     return named
+
+
+_LOST_OWNER = re.compile(r"ObjectLostError: (.*?lived on worker '([^']*)'.*?)(?:\n\n|\nAt:|$)",
+                         re.DOTALL)  # fmt: skip
+
+
+def _lost(error: BaseException, worker: str, func: object) -> ObjectLostError:
+    """An RRef or handle in the call's arguments whose owner died, as `worker` refused it."""
+    found = _LOST_OWNER.search(str(error))
+    if found is not None:  # the callee's own ObjectLostError, carried in torch's text
+        return ObjectLostError(
+            f"the call to {label_of(func)} on worker {worker!r} was refused there: "
+            f"{found.group(1).strip()}",
+            found.group(2),
+        )
+    return ObjectLostError(
+        f"the call to {label_of(func)} on worker {worker!r} carried an RRef or handle whose "
+        f"object lived on a process that died before {worker!r} joined the world "
+        f"({str(error).strip().splitlines()[0]}); create the object again",
+        "",
+    )
 
 
 def raise_unsendable(error: BaseException, worker: str, func: object) -> NoReturn:

@@ -49,6 +49,7 @@ from ._errors import CancelledError, UnsupportedTorchError
 _rendezvous_module: Any = importlib.import_module("torch.distributed.rendezvous")
 
 __all__ = [
+    "PY_OBJECT",
     "TESTED_TORCH",
     "UNSET_TIMEOUT",
     "FutureType",
@@ -60,6 +61,7 @@ __all__ = [
     "TCPStore",
     "WorkerInfo",
     "add_callback",
+    "adopt_fork",
     "agent_running",
     "agent_store",
     "agent_threads",
@@ -70,13 +72,15 @@ __all__ = [
     "call_hook_tables",
     "cancel",
     "check_guard",
+    "check_received",
+    "close_pipe",
     "collect_for_wait_all",
     "combine",
     "current_agent",
     "deserialize",
-    "drop_member",
     "failure_kind",
     "forget_member",
+    "fork_from_owner",
     "global_call_hook_tables",
     "group_key_prefix",
     "guard_reads",
@@ -88,10 +92,15 @@ __all__ = [
     "is_builtin",
     "is_parametrized",
     "is_rpc_thread",
+    "keep_until_done",
+    "known_ids",
     "mark_async",
     "module_tables",
+    "note_kind",
     "on_then",
     "outcome",
+    "own_id",
+    "owner_view",
     "parts_of",
     "profiler_config",
     "profiling",
@@ -105,9 +114,12 @@ __all__ = [
     "rpc_async",
     "rpc_sync",
     "rref_future",
+    "rref_id",
+    "rref_kind",
     "rref_owner",
     "send_python",
     "send_torch",
+    "sending_to",
     "serialize",
     "set_canceller",
     "set_unwrap",
@@ -121,6 +133,7 @@ __all__ = [
     "uninstall",
     "watch_agent_failures",
     "watch_unread",
+    "worker_info",
     "worker_infos",
 ]
 
@@ -168,35 +181,58 @@ def worker_infos() -> list[WorkerInfo]:
     return sorted(current_agent().get_worker_infos(), key=lambda info: info.id)
 
 
+def worker_info(name: str) -> WorkerInfo:
+    """torch's WorkerInfo of the process torch's group knows as `name`."""
+    info: WorkerInfo = rpc.get_worker_info(name)
+    return info
+
+
 # ---- a dynamic group's members (a world that heals) ------------------------------------
-# torch's dynamic groups (init_rpc with world_size=None) never drop a member that
-# died: its name stays taken. A graceful leave makes every member call
-# `_update_group_membership(info, [], {}, False)`; the same call drops a dead one.
-# The store keeps the group's names as "name-id," in names/_ALL_WORKER_INFOS
+# torch's dynamic groups (init_rpc with world_size=None) keep a member that died: its
+# name stays taken. asyncrpc never drops one from a running agent: torch's own
+# `_update_group_membership(info, [], {}, False)` erases the member's entry while
+# torch's RRef notices wait to be retried to it (RpcRetryInfo holds a reference to that
+# entry: a retry then reads freed memory), and it erases without the lock its readers
+# take. The store keeps the group's names as "name-id," in names/_ALL_WORKER_INFOS
 # (under torch's rpc_prefix_N/), and a join holds RpcGroupManagementToken.
 
 _MEMBER_LIST = "names/_ALL_WORKER_INFOS"
 _MEMBER_TOKEN = "RpcGroupManagementToken"
+_PROBE_S = 5.0
+_ZERO = torch.zeros(())
 
 
-def drop_member(name: str, torch_id: int) -> bool:
-    """Make this process's agent forget member `name` (torch id `torch_id`), as a leave does."""
-    agent = current_agent()
-    for info in agent.get_worker_infos():
-        if info.name == name and int(info.id) == torch_id:
-            agent._update_group_membership(info, [], {}, False)
-            return True
-    return False
+def known_ids() -> set[int]:
+    """The torch ids of every process this agent knows (itself, members, dead ones kept)."""
+    return {int(info.id) for info in current_agent().get_worker_infos()}
+
+
+def close_pipe(name: str) -> None:
+    """Have this agent close its connections to the dead process torch knows as `name`.
+
+    torch reads from a connection only while it waits for a reply there, so it
+    never sees a peer that died while it had no call in flight: the sockets
+    stay open (CLOSE-WAIT) until the agent stops. One message to the dead
+    process fails (EOF, or a refused connection where none was open), and
+    TensorPipe then closes the pipe's connections; the entry stays, failing
+    every later send at once (torch's retries of RRef notices among them).
+    Nothing waits for it. The process must be dead: `name` is never a live one.
+    """
+    try:
+        rpc_async(name, torch.add, args=(_ZERO, 0), timeout=_PROBE_S)
+    except RuntimeError:  # not known here (never joined this agent's group): no pipe
+        pass
 
 
 _NO_DESTINATION = re.compile(r"could not find destination id (\d+)")
 
 
 def rref_owner(rref: Any) -> WorkerInfo | int:
-    """The owner of `rref`: torch's WorkerInfo, or only its id once the agent forgot it.
+    """The owner of `rref`: torch's WorkerInfo, or only its id if the agent does not know it.
 
-    In a dynamic group whose member died and was dropped, torch's `owner()`
-    raises "could not find destination id N": that N is returned.
+    A process that joined a dynamic group after a member died never knew that
+    member: torch's `owner()` raises "could not find destination id N", and N
+    is returned.
     """
     try:
         owner: WorkerInfo = rref.owner()
@@ -206,6 +242,115 @@ def rref_owner(rref: Any) -> WorkerInfo | int:
             raise
         return int(found.group(1))
     return owner
+
+
+# ---- RRefs that cross a call without torch's fork messages (a world that heals) ----------
+# torch forks an RRef as it pickles it; the receiver, or the owner, then tells the others
+# by messages it retries for seconds and whose last failure is raised on a thread of
+# torch's own, where it ends the process (RpcAgent::retryExpiredRpcs runs the failed
+# retry's callbacks itself when the retry failed at once, as one to a dead process
+# does). `_forks` avoids those messages where it can; these are its torch-side pieces.
+# torch's RRefForkData as a tuple (`_serialize`): owner id, the RRef's id (created
+# on, local id), the fork's id (created on, local id), the parent's id, the type.
+
+PY_OBJECT = "PyObject"  # the type torch gives an RRef to the value of a Python function
+_RREF_ID = re.compile(r"created_on=(-?\d+), local_id=(\d+)")
+_NO_FORK = (-1, 0)  # a fork id torch never makes (worker ids are not negative)
+_rref_kinds: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_sending = threading.local()  # while a call's arguments are pickled: .to, .keep
+
+
+def own_id() -> int:
+    """This process's torch id in its agent's group."""
+    return int(current_agent().get_worker_info().id)
+
+
+def note_kind(rref: Any, kind: str) -> None:
+    """Remember the type torch gives `rref`'s value (an RRef's fork carries it)."""
+    _rref_kinds[rref] = kind
+
+
+def rref_kind(rref: Any) -> str | None:
+    """The type of `rref`'s value as torch names it, where known here (`note_kind`)."""
+    return _rref_kinds.get(rref)
+
+
+def check_received(owner: int, sender: int | None = None) -> None:
+    """An RRef arriving in a call: raise if its owner (or sender) died (`Hooks.check_fork`)."""
+    hooks = _hooks
+    if hooks is not None:
+        hooks.check_fork(owner, sender)
+
+
+def rref_id(rref: Any) -> tuple[int, int]:
+    """The id of the object `rref` refers to, (created on, local id); read from its repr."""
+    match = _RREF_ID.search(repr(rref))
+    if match is None:
+        raise UnsupportedTorchError(
+            f"asyncrpc reads an RRef's id from its repr, and torch {torch.__version__} "
+            f"writes {repr(rref)!r}; asyncrpc is tested with torch "
+            f"{' and '.join(TESTED_TORCH)}"
+        )
+    return int(match.group(1)), int(match.group(2))
+
+
+def owner_view(owner: int, rref: tuple[int, int], kind: str) -> Any:
+    """On the owner: an RRef to its own object `rref`, made without forking (no message).
+
+    torch's "owner sends an RRef to itself" case, with a fork id torch never
+    made: the owner removes no fork of its own (it finds none to remove).
+    `kind` is the type torch gives the value; "" where the sender did not
+    know it (then the object must exist here already): torch's refusal of
+    a wrong type names the right one, and it is asked again with that.
+    """
+    try:
+        return PyRRef._deserialize((owner, *rref, *_NO_FORK, owner, kind or PY_OBJECT))
+    except RuntimeError as exc:
+        found = _OWNER_TYPE.search(str(exc))
+        if kind or found is None:
+            raise
+        named = found.group(1) or found.group(2)
+        return PyRRef._deserialize((owner, *rref, *_NO_FORK, owner, named))
+
+
+# torch's refusal of an RRef's type on its owner (rref_context.cpp), naming the real one.
+_OWNER_TYPE = re.compile(
+    r"OwnerRRef type is (\S+), expected type is|sub-type of TensorType, but got (\S+)"
+)
+
+
+def fork_from_owner(owner_rref: Any) -> tuple[Any, ...]:
+    """On the owner: a new fork of its RRef for another worker, registered now (torch's
+    early registration); a receiver takes it in without telling anyone (`adopt_fork`)."""
+    data: tuple[Any, ...] = owner_rref._serialize()
+    return data
+
+
+def adopt_fork(data: tuple[Any, ...]) -> Any:
+    """A fork made by its owner (`fork_from_owner`), taken in: torch sends no message."""
+    return PyRRef._deserialize(data)
+
+
+@contextlib.contextmanager
+def sending_to(to: int) -> Iterator[list[Any]]:
+    """While a call to torch id `to` is pickled: what RRefs must outlive it go in the list."""
+    keep: list[Any] = []
+    outer = getattr(_sending, "to", None), getattr(_sending, "keep", None)
+    _sending.to, _sending.keep = to, keep
+    try:
+        yield keep
+    finally:
+        _sending.to, _sending.keep = outer
+
+
+def keep_until_done(fut: Any, keep: list[Any]) -> None:
+    """Hold `keep` until `fut` completes (the RRefs a call refers to by id)."""
+    if keep:
+        _future_add_done_callback(fut, functools.partial(_release, keep))
+
+
+def _release(keep: list[Any], _: Any) -> None:
+    keep.clear()
 
 
 def release_user_rrefs(timeout: float) -> None:
@@ -465,6 +610,12 @@ class Hooks(NamedTuple):
     cancel_call: Callable[[Any], bool]  # ask a tagged call's callee to stop it
     handoff: Callable[..., Any]  # the `asyncrpc-store://` rendezvous handler
     check_owner: Callable[[Any], None]  # before to_here: raise if the owner process died
+    # An RRef being sent (the RRef), or received (its owner's and sender's torch ids):
+    # raise if the owner (or the sender) process died.
+    check_fork: Callable[..., None]
+    # An RRef pickled for a call to torch id `to`: how to send it without torch's fork
+    # messages (a reduce tuple), or None for torch's own way; RRefs to hold go in `keep`.
+    reduce_rref: Callable[[Any, int, list[Any]], Any]
 
 
 _hooks: Hooks | None = None  # while installed
@@ -484,6 +635,12 @@ _CORE_HOOKS: dict[str, Callable[[], object]] = {
     "torch.distributed.rpc.api._default_pickler": lambda: _rpc_api._default_pickler.serialize,
     "torch.distributed.rpc.api._thread_local_var": lambda: _rpc_api._thread_local_var,
     "torch.distributed.rpc.internal.PythonUDF": lambda: _rpc_internal.PythonUDF,
+    "torch.distributed.rpc.internal._InternalRPCPickler._py_rref_reducer": lambda: (
+        _rpc_internal._internal_rpc_pickler._py_rref_reducer
+    ),
+    "torch.distributed.rpc.internal._InternalRPCPickler._py_rref_receiver": lambda: vars(
+        _rpc_internal._InternalRPCPickler
+    ).get("_py_rref_receiver"),
     "torch.distributed.rpc.internal.RemoteException": lambda: _rpc_internal.RemoteException,
     "torch.distributed.rpc.internal._handle_exception": lambda: _rpc_internal._handle_exception,
     "torch.distributed.rendezvous._rendezvous_handlers": lambda: (
@@ -514,9 +671,46 @@ def install(hooks: Hooks) -> None:
         _patch(PyRRef, "to_here", _checked_to_here(PyRRef.to_here, hooks))
         _patch(PyRRef, "local_value", _checked_local_value(PyRRef.local_value, hooks))
         _patch(FutureType, "cancel", cancel)
+        _patch_rref_pickling(hooks)
         _patch(_rendezvous_module._rendezvous_handlers, "asyncrpc-store", hooks.handoff)
         global _hooks
         _hooks = hooks
+
+
+def _patch_rref_pickling(hooks: Hooks) -> None:
+    """An RRef sent to, or received by, any worker: `hooks.check_fork(owner's torch id)` first.
+
+    torch forks an RRef as it pickles it (the receiver asks the owner to
+    confirm the fork before the call runs): an RRef whose owner died could
+    only wait. The sender raises instead, and so does a receiver that knows
+    of the death before its sender did.
+    """
+    pickler = _rpc_internal._internal_rpc_pickler
+    reduce: Callable[[Any], Any] = pickler._py_rref_reducer
+    receive = vars(_rpc_internal._InternalRPCPickler)["_py_rref_receiver"].__func__
+
+    @functools.wraps(reduce)
+    def checked_reduce(py_rref: Any) -> Any:
+        to = getattr(_sending, "to", None)
+        if to is not None:  # a call of asyncrpc's: the callee is known
+            own = hooks.reduce_rref(py_rref, to, _sending.keep)
+            if own is not None:
+                return own
+        else:
+            hooks.check_fork(py_rref)
+        return reduce(py_rref)
+
+    @functools.wraps(receive)
+    def checked_receive(cls: Any, fork_data: tuple[Any, ...]) -> Any:
+        # torch's RRefForkData: (owner, rref id (2), fork id (2), parent, type): torch
+        # would tell both the owner and the parent (the sender) of this fork.
+        hooks.check_fork(int(fork_data[0]), int(fork_data[5]))
+        rref = receive(cls, fork_data)
+        _rref_kinds[rref] = str(fork_data[6])
+        return rref
+
+    _patch(pickler, "_py_rref_reducer", checked_reduce)
+    _patch(_rpc_internal._InternalRPCPickler, "_py_rref_receiver", classmethod(checked_receive))
 
 
 def install_await(method: Callable[[Any], Any], keep: bool = False) -> None:
@@ -980,13 +1174,21 @@ def _root_cause_first(failures: dict[int, Any]) -> None:
 # Each pattern is matched against the first lines of the RuntimeError that torch
 # raises from wait()/to_here(); tests/test_torch_boundary.py provokes each one.
 _KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # An RRef in the call whose owner died: refused as the callee received it (the
+    # callee's ObjectLostError, in torch's text), or owned by a process the callee's
+    # agent never knew (it died before the callee joined).
+    ("lost", re.compile(r"ObjectLostError: |could not find destination id \d+")),
     ("timeout", re.compile(r"ran for more than set timeout|timed out", re.IGNORECASE)),
     (
         "unreachable",
         re.compile(
             r"originated at tensorpipe/|Connection (reset|refused|closed)|"
             r"RPCAgent has been shutdown|pipe has been closed|end of file|"
-            r"could not find destination url for name"  # a member dropped as it died
+            # a send to a process whose pipe failed already (it died): torch's agent
+            # completes the call at once, and its own check of that fails
+            r"Future marked complete from outside the thread pool|"
+            # a member this agent never knew: it died before this process joined
+            r"could not find destination (url for name|name) "
         ),
     ),
     ("unimportable", re.compile(r"No module named|Can't get attribute|can't get attribute")),
@@ -995,7 +1197,7 @@ _KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
 
 
 def failure_kind(error: BaseException) -> str | None:
-    """Which torch failure `error` stands for: timeout, unreachable, unpicklable, unimportable.
+    """Which torch failure `error` stands for (a kind of `_KINDS`: lost, timeout, ...).
 
     None for anything else (a remote function's own error, say).
     """

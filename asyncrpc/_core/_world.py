@@ -34,6 +34,7 @@ import torch.distributed.rpc as rpc
 
 from . import (
     _cancel,
+    _forks,
     _hang,
     _membership,
     _net,
@@ -48,6 +49,7 @@ from ._context import Context, Settings, names_for, resolve_world_size
 from ._errors import (
     AsyncRPCError,
     NotInitializedError,
+    ObjectLostError,
     WorkerUnreachableError,
     WorldSizeMismatchError,
 )
@@ -67,6 +69,7 @@ __all__ = [
     "on_replaced",
     "shutdown",
     "start",
+    "target",
 ]
 
 _LOOPBACK = "127.0.0.1"
@@ -94,13 +97,20 @@ class World:
     # replacement's welcome that arrive while this member still starts wait for it.
     members_known: threading.Event = dataclasses.field(default_factory=threading.Event)
     key_rank: int = -1  # this process's torch id: its calls' cancel keys (see _cancel)
+    torch_name: str = ""  # the name torch's group knows this process by (see _membership)
     tag: str = ""  # the world's key space in the store: asyncrpc/<tag>/...
     # What undoes the world: each step of `start` pushes its undo once done, and a
     # failed start and `shutdown` both unwind this one stack.
     stack: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
 
     def info(self, name: str) -> WorkerInfo:
-        """torch's WorkerInfo of worker `name` (one of `context.names`)."""
+        """torch's WorkerInfo of worker `name` (one of `context.names`).
+
+        In a world that heals, of the process that answers for `name` now.
+        """
+        members = self.members
+        if members is not None:
+            return members.info(name)
         found = self.infos.get(name)
         if found is None:
             found = self.infos[name] = rpc.get_worker_info(name)
@@ -228,6 +238,41 @@ def _check_owner(rref: Any) -> None:
     owner_of(rref, "the value of this RRef")
 
 
+def _check_fork(owner: Any, sender: int | None = None) -> None:
+    """An RRef crosses a call: `ObjectLostError` if its owner's process died.
+
+    `owner`: the RRef being sent, or its owner's torch id as it is received
+    (`sender`: the process that sent it). torch would tell the owner and the
+    sender of the fork, each by a message retried for seconds and then
+    failed on a thread of torch's own, where the failure ends the process:
+    a fork that involves a dead process is refused here first. Cheap where
+    nothing died: one attribute read.
+    """
+    world = _world
+    members = world.members if world is not None else None
+    if members is None or not members.lost:
+        return
+    if not isinstance(owner, int):
+        found = _torch.rref_owner(owner)
+        owner = found if isinstance(found, int) else int(found.id)
+    members.check_owner(owner, "the object of an RRef or handle passed to a call")
+    if sender is not None and sender in members.lost:
+        raise ObjectLostError(
+            f"a call carried an RRef or handle from worker {members.lost[sender]!r}, whose "
+            f"process died before the call ran here; it is not run",
+            members.lost[sender],
+        )
+
+
+def _reduce_rref(py_rref: Any, to: int, keep: list[Any]) -> Any:
+    """An RRef pickled into an asyncrpc call to torch id `to` (see `_forks`)."""
+    world = _world
+    if world is None or world.members is None:
+        _check_fork(py_rref)
+        return None
+    return _forks.reduce(py_rref, to, keep, world.key_rank, world.members)
+
+
 def owner_of(rref: Any, what: str) -> str:
     """The name of `rref`'s owner; `ObjectLostError` when that process died (a world that heals).
 
@@ -236,7 +281,11 @@ def owner_of(rref: Any, what: str) -> str:
     owner = _torch.rref_owner(rref)
     world = _world
     if world is not None and world.members is not None:
-        world.members.check_owner(owner if isinstance(owner, int) else int(owner.id), what)
+        owner_id = owner if isinstance(owner, int) else int(owner.id)
+        world.members.check_owner(owner_id, what)
+        name = world.members.name_of(owner_id)
+        if name is not None:
+            return name  # the member's name, not torch's for a replacement (name:id)
     if isinstance(owner, int):
         raise WorkerUnreachableError(
             f"{what} lives on a process (torch id {owner}) that is not in the world any more",
@@ -262,6 +311,8 @@ _HOOKS = _torch.Hooks(
     cancel_call=_cancel.request,
     handoff=_rendezvous.handoff_handler,
     check_owner=_check_owner,
+    check_fork=_check_fork,
+    reduce_rref=_reduce_rref,
 )
 
 
@@ -447,7 +498,7 @@ def _build(world: World, master_addr: str, watch_peers: bool, joining: Joining |
     _start_agent(world, master_addr, joining)
     if settings.keep_thread_states:
         stack.callback(_threadstates.forget)
-        _threadstates.keep(ctx.name, settings.num_worker_threads)
+        _threadstates.keep(world.torch_name, settings.num_worker_threads)
     stack.callback(_cancel.stop_watching)
     stack.callback(_unregister, world)
     if world.hang_after:
@@ -492,6 +543,7 @@ def _start_agent(world: World, master_addr: str, joining: Joining | None) -> Non
     _bind_interface(world, master_addr, ctx.world_size, settings.interface)
     _set_intra_op_threads(world, settings.intra_op_threads)
     world.key_rank = joining.torch_id if joining is not None else ctx.rank
+    world.torch_name = _membership.torch_name(ctx.name, world.key_rank, ctx.world_size)
     options = _torch.backend_options(
         settings.num_worker_threads,
         settings.rpc_timeout,
@@ -509,7 +561,7 @@ def _start_agent(world: World, master_addr: str, joining: Joining | None) -> Non
         # torch's agent set-up uses a Gloo backend internally and warns about it.
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
         rpc.init_rpc(  # type: ignore[no-untyped-call]
-            ctx.name,
+            world.torch_name,
             rank=world.key_rank,
             # A world that heals is one of torch's dynamic groups: members join and leave.
             world_size=None if joining is not None else ctx.world_size,
@@ -528,8 +580,11 @@ def _join_members(world: World, joining: Joining) -> None:
     _membership.publish(space, ctx, joining.torch_id, _torch.group_key_prefix())
     if not joining.replacement:
         _membership.wait_for_all(space, ctx.names, settings.init_timeout)
-    world.members = _membership.read_members(space, ctx.names)
-    world.stack.callback(world.members.stop)
+    members = _membership.read_members(space, ctx.names)
+    if joining.replacement:  # another member may be being replaced as this one joins
+        members.missed(_torch.known_ids())
+    world.members = members
+    world.stack.callback(members.stop)
     world.members_known.set()
     _membership.mark_ready(space, ctx.name)
     if joining.replacement:
@@ -540,14 +595,16 @@ def _join_members(world: World, joining: Joining) -> None:
 
 def _welcome_all(world: World, timeout: float) -> None:
     """Tell every other member that this replacement is up (before `main` runs here)."""
-    ctx = world.context
+    ctx, members = world.context, world.members
+    assert members is not None
     futures = []
     for name in ctx.names:
-        if name == ctx.name:
+        if name == ctx.name or name in members.replacing:
             continue
         try:
             args = (ctx.name, world.key_rank, ctx.attempt)
-            futures.append(_torch.rpc_async(name, _welcome, args=args, timeout=timeout))
+            info = members.info(name)
+            futures.append(_torch.rpc_async(info, _welcome, args=args, timeout=timeout))
         except RuntimeError:  # not in the group now: being replaced itself
             continue
     for fut in futures:
@@ -570,10 +627,10 @@ def _welcome(name: str, torch_id: int, attempt: int) -> None:
     world = _starting_members()
     if world is None or world.members is None:
         return
-    world.infos.pop(name, None)
     event = world.members.joined(name, torch_id, attempt)
     if event is not None:
         world.members.announce(event)
+        _membership.trim_heap()
 
 
 def _member_news(text: str) -> None:
@@ -584,8 +641,9 @@ def _member_news(text: str) -> None:
         return
     seq, torch_id, name, why = parsed
     if world.members.gone(name, torch_id, why):
-        _torch.drop_member(name, torch_id)
-        world.infos.pop(name, None)
+        # Kept in torch's group (see _membership); its pipe closed, or its sockets
+        # would stay open (CLOSE-WAIT) here for good.
+        _torch.close_pipe(_membership.torch_name(name, torch_id, world.context.world_size))
     _membership.heal_space(world.store, world.tag).set(f"{seq}/ack/{world.context.name}", "1")
 
 
@@ -839,6 +897,11 @@ def side_queues() -> tuple[int, ...]:
     if members is None:
         return tuple(range(world.context.world_size))
     return tuple(members.ids[name] for name in world.context.names)
+
+
+def target(name: str) -> WorkerInfo:
+    """What torch's own verbs take to reach worker `name` (in a world that heals: now)."""
+    return current_world("a call").info(name)
 
 
 def describe_self() -> str:

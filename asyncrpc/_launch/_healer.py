@@ -9,7 +9,7 @@ members' side)::
       state: heals + 1 (refused once the world is ending), restarts + 1 <= K
       side channel ──"member gone <seq> <id> <name> <why>"──> every other member
       wait for their acks (bounded: a member that died too is healed next)
-      store: "<name>-<id>," off torch's list, a join it left half done released
+      store: "<torch name>-<id>," off torch's list, a join it left half done released
       -> Joining(fresh torch id, tag, replacement=True): start the new process with it
     Healer.started(): state: heals - 1
 
@@ -102,7 +102,8 @@ class Healer:
             # interpreter's first group, if any.
             key = f"group/{name}"
             prefix = self.space.get(key).decode() if self.space.check([key]) else "rpc_prefix_0"
-            _torch.forget_member(PrefixStore(prefix, self.rpc), name, old)
+            dead = _membership.torch_name(name, old, len(self.names))
+            _torch.forget_member(PrefixStore(prefix, self.rpc), dead, old)
             fresh = len(self.names) - 1 + int(self.space.add("ids", 1))
             self.ids[name] = fresh
         except BaseException:

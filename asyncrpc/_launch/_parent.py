@@ -6,7 +6,8 @@ the kernel's parent-death signal needs no GIL. Linux only: elsewhere
 nothing is set and the watching threads alone stop workers::
 
     supervisor dies ──(PR_SET_PDEATHSIG, set when the forkserver imports this)──> forkserver:
-                        SIGTERM, it dies ──(PR_SET_PDEATHSIG, set by each worker)──> workers
+                        SIGTERM, it dies ──(PR_SET_PDEATHSIG, set in each worker as it is
+                        forked, before it imports the script)──> workers
     asyncrpc-launch dies ──(PR_SET_PDEATHSIG, set when the worker imports this)──> workers
 
 Importing this module does nothing, except in two kinds of process. The
@@ -88,8 +89,19 @@ def _wait_for_end(pid: int) -> None:
         os.close(handle)
 
 
+def _die_with_forkserver() -> None:
+    """In each process the forkserver forks: die with it from the start.
+
+    Before the worker's own code runs, multiprocessing imports the script in
+    it; a script that takes seconds to import would otherwise outlive a
+    supervisor stopped meanwhile (SIGTERM) until its import ended.
+    """
+    die_with_parent(os.getppid())
+
+
 if os.environ.get(PARENT_VARIABLE) == str(os.getppid()):  # this is that forkserver
     os.environ.pop(PARENT_VARIABLE)
     die_with_parent(os.getppid())
+    os.register_at_fork(after_in_child=_die_with_forkserver)
 elif launched_by() is not None:  # a launcher's worker (not a process that worker starts)
     die_with_parent(os.getppid())

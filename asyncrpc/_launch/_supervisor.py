@@ -22,7 +22,6 @@ silent peer ends the world on every node, or restarts it (the launcher's
 
 from __future__ import annotations
 
-import contextlib
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -33,7 +32,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, NamedTuple
@@ -41,7 +40,7 @@ from typing import Any, NamedTuple
 from .._core import _context, _rendezvous, _world
 from .._core._errors import WorkerFailedError
 from .._core._membership import Joining
-from . import _healer, _parent
+from . import _forkserver, _healer, _parent
 from ._launched import launched, run_launched
 
 __all__ = ["run"]
@@ -240,7 +239,7 @@ def _run_embedded(
     payload = _pickled_main(main, args)
     store = _rendezvous.host_store(host, 0, settings.init_timeout)
     names = _context.names_for(world_size, roles)
-    spawner = _spawner(settings.start_method)
+    spawner = _forkserver.spawner(settings.start_method)
     procs: list[BaseProcess] = []
     errors: list[multiprocessing.connection.Connection] = []
     outputs = _caller_output() if settings.start_method == "forkserver" else (None, None)
@@ -258,7 +257,7 @@ def _run_embedded(
         # Listed before it starts: a Ctrl-C inside start() (the worker may already
         # run) must still stop it, or multiprocessing's exit would wait for it.
         procs.append(proc)
-        with _forkserver_dies_with_this_process():
+        with _forkserver.dies_with_this_process():
             proc.start()
         writer.close()
         return proc, reader
@@ -281,38 +280,6 @@ def _run_embedded(
         if not alive.closed:
             alive.close()
         held.close()
-
-
-# What the warm interpreter imports once, before it forks any worker. Not the script:
-# a script that runs torch ops when imported would start OpenMP's thread pool in the
-# warm interpreter, and workers forked from it hang at their first parallel op.
-_PRELOAD = ["torch", "torch.distributed.rpc", "asyncrpc", "asyncrpc._launch._parent"]
-
-
-def _spawner(method: str) -> Any:
-    """multiprocessing's context for `method`; a forkserver's preloads `_PRELOAD`.
-
-    The forkserver is one per process: the first world starts it, later
-    worlds and restarts fork from it at once.
-    """
-    context = multiprocessing.get_context(method)
-    if method == "forkserver":
-        context.set_forkserver_preload(_PRELOAD)
-    return context
-
-
-@contextlib.contextmanager
-def _forkserver_dies_with_this_process() -> Iterator[None]:
-    """A forkserver started inside the block dies when this process ends (`_parent`)."""
-    before = os.environ.get(_parent.PARENT_VARIABLE)
-    os.environ[_parent.PARENT_VARIABLE] = str(os.getpid())
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(_parent.PARENT_VARIABLE, None)
-        else:
-            os.environ[_parent.PARENT_VARIABLE] = before
 
 
 def _caller_output() -> tuple[Connection | None, ...]:

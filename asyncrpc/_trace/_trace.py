@@ -270,7 +270,7 @@ def _clock_offset(name: str, here_boot: str, there_boot: str) -> int:
     samples = []
     for _ in range(_CLOCK_SAMPLES):
         sent = time.time_ns()
-        there = int(_torch.rpc_sync(name, _now))
+        there = int(_torch.rpc_sync(_world.target(name), _now))
         back = time.time_ns()
         samples.append((back - sent, there - (sent + back) // 2))
     return min(samples)[1]  # the shortest round trip bounds the error best
@@ -342,7 +342,8 @@ def _begin_everywhere(
     """Start recording on every worker at once; `started` lists those that did."""
     info = {me: _begin(session)}  # first: if this one fails, nothing else started
     started.append(me)
-    pending = {n: _torch.rpc_async(n, _begin, args=(session,)) for n in names if n != me}
+    pending = {n: _torch.rpc_async(_world.target(n), _begin, args=(session,))
+               for n in names if n != me}  # fmt: skip
     failures = []
     for name, fut in pending.items():
         try:
@@ -367,7 +368,8 @@ def _traced_workers(ctx: _world.Context, workers: Sequence[str] | None) -> list[
 
 
 def _collect(session: str, started: list[str], me: str) -> dict[str, dict[str, Any]]:
-    futures = {n: _torch.rpc_async(n, _finish, args=(session,)) for n in started if n != me}
+    futures = {n: _torch.rpc_async(_world.target(n), _finish, args=(session,))
+               for n in started if n != me}  # fmt: skip
     parts = {me: _finish(session)} if me in started else {}
     for name, fut in futures.items():
         parts[name] = fut.wait()

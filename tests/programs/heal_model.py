@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import asyncrpc
 
@@ -56,6 +57,47 @@ def record(call_id: int, before: float = 0.0, after: float = 0.0) -> tuple[int, 
     _note(call_id)
     time.sleep(after)
     return os.getpid(), asyncrpc.current_context().attempt, call_id
+
+
+def record_stream(call_id: int, n: int) -> Any:
+    """A generator run once here (its call id noted as it starts) that yields `n` items."""
+    _note(call_id)
+    for i in range(n):
+        yield os.getpid(), asyncrpc.current_context().attempt, call_id, i
+
+
+async def relay(target: str, call_id: int) -> tuple[int, int, int]:
+    """A nested call: on this worker, `record` on `target`, awaited (an async def)."""
+    got: tuple[int, int, int] = await asyncrpc.rpc_async(target, record, args=(call_id,),
+                                                         timeout=20)  # fmt: skip
+    return got
+
+
+def lend_use(handle: asyncrpc.RemoteObject[Counter], call_id: int, k: int) -> Any:
+    """Call a Counter through a handle lent to this worker."""
+    return handle.call("add", call_id, k)
+
+
+def usage() -> dict[str, int]:
+    """This process's descriptors, threads and sockets left in CLOSE-WAIT."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    close_wait = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                close_wait += fields[9] in inodes and fields[3] == "08"
+    with open("/proc/self/status") as status:
+        threads = next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+    return {"fds": len(os.listdir("/proc/self/fd")), "threads": threads,
+            "close_wait": close_wait}  # fmt: skip
 
 
 def ran() -> tuple[int, list[int]]:
@@ -95,6 +137,10 @@ def main(ctx: asyncrpc.Context, examples: int, steps: int) -> None:
         ran=ran,
         counter=Counter,
         directory=os.environ[DIR_VARIABLE],
+        record_stream=record_stream,
+        relay=relay,
+        lend_use=lend_use,
+        usage=usage,
     )
     with open(verdict, "a") as out:
         out.write(problem or "ok\n")

@@ -43,6 +43,9 @@ from hypothesis.stateful import (
 import asyncrpc
 
 WORKERS = ("worker1", "worker2", "worker3")  # worker0 runs the machine: never killed
+KILLABLE = ("worker1", "worker2")
+SURVIVOR = "worker3"  # never killed: it serves, relays and holds lent handles
+FD_SLACK = 8  # descriptors a survivor may hold beyond its first example's (pipes to replacements)
 CALL_S = 10.0  # each call's timeout
 HANG_S = CALL_S + 5.0  # a Future not done by then hangs
 JOIN_S = 15.0  # a replacement joins within this
@@ -60,6 +63,12 @@ class Shared:
     ran: Callable[[], tuple[int, list[int]]]
     counter: type
     directory: str
+    record_stream: Callable[..., Any]
+    relay: Callable[..., Any]
+    lend_use: Callable[..., Any]
+    usage: Callable[[], dict[str, int]]
+    baseline: ClassVar[dict[str, dict[str, int]]] = {}  # worker0's and the survivor's, at start
+    survivor_pid = 0
     next_id = 0
     attempts: ClassVar[dict[str, int]] = dict.fromkeys(WORKERS, 0)  # the model's, at the last end
     clean = True  # the last example ended with its checks passed
@@ -198,7 +207,7 @@ def _step(rule_function: Callable[..., None]) -> Callable[..., None]:
     """Log the step; a failing one marks the example broken (teardown then checks nothing)."""
 
     @functools.wraps(rule_function)
-    def run(self: HealModel, **data: Any) -> None:
+    def run(self: BaseModel, **data: Any) -> None:
         self.note(f"{rule_function.__name__}({', '.join(f'{k}={v!r}' for k, v in data.items())})")
         Shared.stats[rule_function.__name__] += 1
         try:
@@ -211,7 +220,7 @@ def _step(rule_function: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
-class HealModel(RuleBasedStateMachine):
+class BaseModel(RuleBasedStateMachine):
     """Random calls, spawns and kills on worker1..3 of a world that heals; held to the model."""
 
     def __init__(self) -> None:
@@ -248,6 +257,8 @@ class HealModel(RuleBasedStateMachine):
         )
         self.workers[name] = Worker(name, attempt, pids={attempt: pid})
         Shared.known.add(pid)
+        if name == SURVIVOR:
+            Shared.survivor_pid = Shared.survivor_pid or pid
 
     def _poll_value(self, name: str) -> tuple[int, int, int]:
         """Call `name` until it answers (bounded), every call checked as the model says."""
@@ -403,13 +414,17 @@ class HealModel(RuleBasedStateMachine):
         obj.n = got[3]
 
     @rule(
-        index=st.integers(0, 2),
+        index=st.integers(0, 1),
         wait=st.sampled_from(["none", "event", "poll"]),
         newborn=st.sampled_from([None, None, 0.0, 0.03, 0.1]),
+        quiet=st.booleans(),
     )
     @_step
-    def kill(self, index: int, wait: str, newborn: float | None) -> None:
-        worker = self.workers[WORKERS[index]]
+    def kill(self, index: int, wait: str, newborn: float | None, quiet: bool) -> None:
+        worker = self.workers[KILLABLE[index]]
+        if quiet:  # no call in flight anywhere: the OOM killer's case
+            while self.pending:
+                self._settle(self.pending.pop())
         if worker.pid is None and self._sync_call(worker) != "value":
             return  # still being replaced: its pid is not known yet
         if newborn is not None:
@@ -464,6 +479,13 @@ class HealModel(RuleBasedStateMachine):
             time.sleep(0.005)
 
     @invariant()
+    def the_survivor_keeps_its_process(self) -> None:
+        survivor = self.workers[SURVIVOR]
+        assert survivor.attempt == 0 and survivor.pids == {0: Shared.survivor_pid}, survivor
+        assert Shared.survivor_pid not in (None, 0) and _state(Shared.survivor_pid) not in (
+            None, "Z", "X"), f"{SURVIVOR} (pid {Shared.survivor_pid}) died"  # fmt: skip
+
+    @invariant()
     def events_follow_kills(self) -> None:
         with Shared.changed:
             events = list(Shared.events)
@@ -499,7 +521,18 @@ class HealModel(RuleBasedStateMachine):
             if not obj.lost:
                 self._handle_call(obj, 0)  # its count, as the model says
         self._check_ids()
+        self._check_usage()
         Shared.attempts = {name: worker.attempt for name, worker in self.workers.items()}
+
+    def _check_usage(self) -> None:
+        """worker0's and the survivor's descriptors and sockets: none grows per heal."""
+        for name in ("worker0", SURVIVOR):
+            now = asyncrpc.rpc_sync(name, Shared.usage, timeout=CALL_S)
+            first = Shared.baseline.setdefault(name, now)
+            assert now["close_wait"] == 0, f"{name} holds sockets in CLOSE-WAIT: {now}"
+            assert now["fds"] <= first["fds"] + FD_SLACK, f"{name}: {first} -> {now}"
+            assert now["threads"] <= first["threads"] + 2, f"{name}: {first} -> {now}"
+            Shared.stats["usage checked"] += 1
 
     def _check_ids(self) -> None:
         files = _files()
@@ -528,13 +561,21 @@ def check(
     ran: Callable[[], tuple[int, list[int]]],
     counter: type,
     directory: str,
+    record_stream: Callable[..., Any],
+    relay: Callable[..., Any],
+    lend_use: Callable[..., Any],
+    usage: Callable[[], dict[str, int]],
 ) -> str | None:
     """Run the machine; None when every example kept the model, else what went wrong."""
     Shared.record, Shared.ran, Shared.counter = record, ran, counter
     Shared.directory = directory
+    Shared.record_stream, Shared.relay, Shared.lend_use = record_stream, relay, lend_use
+    Shared.usage = usage
     Shared.known.add(os.getpid())
     unregister = asyncrpc.on_replaced(Shared.seen)
     try:
+        from heal_model_traffic import HealModel  # the base model's rules and the traffic's
+
         run_state_machine_as_test(
             HealModel,
             settings=settings(

@@ -33,11 +33,14 @@ def torch_state() -> dict[str, object]:
     """What asyncrpc may change in torch: classes, registries, hooks, environment."""
     from torch._C._distributed_rpc import PyRRef
 
+    from torch.distributed.rpc import internal
+
     handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
     state: dict[str, object] = {
         f"{cls.__module__}.{cls.__qualname__}": dict(vars(cls))
-        for cls in (torch._C.Future, torch.futures.Future, PyRRef)
+        for cls in (torch._C.Future, torch.futures.Future, PyRRef, internal._InternalRPCPickler)
     }
+    state["the RPC pickler"] = dict(vars(internal._internal_rpc_pickler))
     state["torch._C._collect_all"] = torch._C._collect_all
     state["rendezvous handlers"] = dict(handlers)
     state["warning filters"] = len(warnings.filters)

@@ -1,0 +1,102 @@
+"""How RRefs and handles cross a call in a world that heals: without torch's fork messages.
+
+torch forks an RRef as it pickles it into a call. The receiver, or the owner,
+then tells the others (the owner of its new user, the sender that the fork
+arrived) by messages torch retries for about 13 s after a failure. When the
+process they go to died, the last retry fails, and torch raises that failure
+on a thread of its own; if the retry failed at once (as one to a dead process
+does), that thread is torch's retry thread, and the survivor ends there
+(std::terminate). So in a world that heals, asyncrpc's calls send RRefs in
+ways that need none of these messages::
+
+    the RRef's owner is   the RRef is sent as                  messages after the call
+    the caller            torch's own fork (the owner           none
+                          registers it as it pickles)
+    the callee            its id; the callee finds its own      none (the caller holds
+                          object (`owned`)                       its RRef until the reply)
+    a third worker        a fork its owner makes for the         one call from the caller
+                          callee, asked for by the caller as     to the owner, as it
+                          it pickles (`adopt`: taken in          pickles; an owner that
+                          without telling anyone)                died: ObjectLostError
+
+Where the callee is not known (a value returned, torch's own verbs), and for an
+RRef whose owner has not confirmed it yet and whose value's type is not known
+here, torch forks as usual, refused where the owner or the sender is known
+dead (`_world._check_fork`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _torch
+from ._errors import ObjectLostError, WorkerUnreachableError
+from ._membership import Members
+
+__all__ = ["adopt", "fork_here", "owned", "reduce"]
+
+
+def reduce(py_rref: Any, to: int, keep: list[Any], me: int, members: Members) -> Any:
+    """How `py_rref` is pickled into a call to torch id `to` (see the module's table).
+
+    A reduce tuple, or None for torch's own fork. `me`: this process's torch id.
+    """
+    found = _torch.rref_owner(py_rref)
+    owner = found if isinstance(found, int) else int(found.id)
+    members.check_owner(owner, "the object of an RRef or handle passed to a call")
+    kind = _torch.rref_kind(py_rref)
+    if kind is None and py_rref.confirmed_by_owner():
+        kind = ""  # not known here, but the object exists: its owner knows its type
+    if owner == me or kind is None:
+        return None
+    if owner == to:
+        keep.append(py_rref)  # the owner keeps the object while this RRef lives
+        return (owned, (owner, *_torch.rref_id(py_rref), kind))
+    return (adopt, (_lend(py_rref, owner, kind, members),))
+
+
+def _lend(py_rref: Any, owner: int, kind: str, members: Members) -> tuple[Any, ...]:
+    """Ask `owner` for a fork of `py_rref` that the callee takes in without a message."""
+    name = members.name_of(owner)
+    try:
+        if name is None:
+            raise WorkerUnreachableError(f"torch id {owner} is no member now", "")
+        data: tuple[Any, ...] = _torch.rpc_sync(
+            members.info(name), fork_here, args=(*_torch.rref_id(py_rref), kind)
+        )
+    except RuntimeError as exc:  # the owner died, or is dying: the object goes with it
+        members.check_owner(owner, "the object of an RRef or handle passed to a call")
+        raise ObjectLostError(
+            f"an RRef or handle passed to a call could not be handed on: its object lives "
+            f"on worker {name!r}, which cannot be reached ({str(exc).splitlines()[0]}); "
+            f"it has probably died, and the object with it",
+            name or "",
+        ) from exc
+    return data
+
+
+def fork_here(created_on: int, local_id: int, kind: str) -> tuple[Any, ...]:
+    """On the owner: a fork of its object's RRef, registered here, for another worker."""
+    me = _torch.own_id()
+    return _torch.fork_from_owner(_torch.owner_view(me, (created_on, local_id), kind))
+
+
+def owned(owner: int, created_on: int, local_id: int, kind: str) -> Any:
+    """On the callee, which owns the object: an RRef to it (no fork, no message)."""
+    me = _torch.own_id()
+    if owner != me:  # never sent so: the caller sends an id only to its owner
+        raise RuntimeError(
+            f"an RRef sent by id to torch id {me} belongs to torch id {owner}; "
+            f"asyncrpc sends an RRef by id only to its owner"
+        )
+    rref = _torch.owner_view(owner, (created_on, local_id), kind)
+    _torch.note_kind(rref, kind)
+    return rref
+
+
+def adopt(data: tuple[Any, ...]) -> Any:
+    """On the callee: the fork its owner made for it (`fork_here`), taken in silently."""
+    _torch.check_received(int(data[0]))
+    rref = _torch.adopt_fork(data)
+    _torch.note_kind(rref, str(data[-1]))
+    return rref

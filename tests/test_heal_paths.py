@@ -1,0 +1,57 @@
+"""Every path a death takes to a survivor is named: streams, objects sent on, two deaths at once.
+
+tests/programs/heal_paths.py runs each scenario in a world that heals; the
+docs promise: a dying producer's stream delivers what reached the consumer,
+in order, then `WorkerUnreachableError`; an object of a dead process sent
+in a call, by anyone, raises `ObjectLostError` naming the dead worker; and
+two deaths at once fail every call named, those the replacements make to
+each other too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+from conftest import PROGRAMS, run_program
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(240)]
+
+
+def _run(scenario: str) -> dict[str, Any]:
+    result = run_program("python", str(PROGRAMS / "heal_paths.py"), scenario, timeout=200)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    found = re.search(r"^heal paths: (\{.*\})$", result.stdout, re.MULTILINE)
+    assert found is not None, result.stdout[-3000:]
+    seen: dict[str, Any] = json.loads(found.group(1))
+    return seen
+
+
+def test_a_dying_producer_delivers_what_reached_the_consumer_then_a_named_error() -> None:
+    seen = _run("streams")
+    assert len(seen) == 9, sorted(seen)
+    for case, result in seen.items():
+        got = result["got"]
+        assert got == list(range(len(got))) and len(got) <= 6, (case, got)  # in order, a prefix
+        assert result["error"] == "WorkerUnreachableError" and result["name"] == "worker1", result
+        if case.endswith("/1"):  # window 1: the generator runs only on the consumer's credit
+            assert got == [0, 1, 2, 3, 4, 5], (case, got)
+
+
+def test_an_object_of_a_dead_process_sent_on_raises_object_lost_naming_its_worker() -> None:
+    seen = _run("arguments")
+    assert set(seen) == {"handle", "handle_async", "handle_remote", "rref", "kept_call",
+                         "kept_passed_on", "own_call"}  # fmt: skip
+    for path, result in seen.items():
+        assert result.get("error") == "ObjectLostError", (path, result)
+        assert result["name"] == "worker2" and "worker 'worker2'" in result["message"], result
+
+
+def test_two_deaths_at_once_fail_every_call_named() -> None:
+    seen = _run("two-deaths")
+    assert seen["failures"], "no call met a worker being replaced: the test saw nothing"
+    for failure in seen["failures"]:
+        assert failure["named"] and failure["name"] in ("worker2", "worker3"), failure
