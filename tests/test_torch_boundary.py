@@ -558,3 +558,27 @@ def test_an_owner_finds_its_object_by_id_whatever_its_type(world: asyncrpc.Conte
     ids = (1, *_torch.rref_id(rref))
     assert torch.equal(_torch.rpc_sync("worker1", value_by_id_of_any_type, args=ids),
                        torch.ones(2))  # fmt: skip
+
+
+def test_a_dead_member_leaves_the_group_list_under_the_groups_token() -> None:
+    # torch's joins read the list and write it back whole, holding the token: an edit
+    # made beside one would be written over (the dead member listed again, for good).
+    store = torch.distributed.HashStore()
+    store.set("names/_ALL_WORKER_INFOS", "worker0-0,worker1-1,worker2-2,worker1:5-5,")
+    store.set("RpcGroupManagementToken", "Token_for_worker1:5_join")  # it died joining
+    dead = {"worker1:5", "worker2"}.__contains__
+    _torch.forget_member(store, "worker2", 2, dead, timeout=5)
+    assert store.get("names/_ALL_WORKER_INFOS") == b"worker0-0,worker1-1,worker1:5-5,"
+    assert store.get("Token_for_worker1:5_join") == b"Done"  # its waiters go on
+    assert store.get("RpcGroupManagementToken") == b""  # released once done
+    # A live member's join in progress is waited for, not broken.
+    store.set("RpcGroupManagementToken", "Token_for_worker0_join")
+    release = threading.Timer(0.3, store.set, args=("RpcGroupManagementToken", ""))
+    release.start()
+    started = time.monotonic()
+    _torch.forget_member(store, "worker1:5", 5, dead, timeout=5)
+    assert time.monotonic() - started >= 0.25
+    assert store.get("names/_ALL_WORKER_INFOS") == b"worker0-0,worker1-1,"
+    store.set("RpcGroupManagementToken", "Token_for_worker0_join")
+    with pytest.raises(TimeoutError, match="worker0"):
+        _torch.forget_member(store, "worker1", 1, dead, timeout=0.2)

@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -385,25 +386,54 @@ def group_key_prefix() -> str:
     return f"rpc_prefix_{int(rpc._init_counter) - 1}"
 
 
-def forget_member(store: Store, name: str, torch_id: int) -> None:
-    """Take member `name` out of the group's list in `store` and free a join it left half done.
+def forget_member(
+    store: Store, name: str, torch_id: int, dead: Callable[[str], bool], timeout: float
+) -> None:
+    """Take member `name` (torch id) off the group's list in `store`, as torch's leave would.
 
     `store` holds the group's keys (the agent's store plus `group_key_prefix()`).
-    After this, a process may join under `name` with a fresh id.
+    torch's joins and leaves read the list and write it back whole, holding the
+    group's token (RpcGroupManagementToken); so does this: an edit made beside a
+    join would be written over, and the dead member listed again (every later
+    join would then call it, and fail). A token held by a process that died
+    (`dead(its torch name)`: a join or leave it left half done) is released;
+    one held by a live process is waited for, up to `timeout` s. After this, a
+    process may join with a fresh id.
     """
-    entry = f"{name}-{torch_id},"
-    while store.check([_MEMBER_LIST]):
-        listed = store.get(_MEMBER_LIST).decode()
-        if entry not in listed:
+    mine = f"Token_for_asyncrpc-forget-{name}-{torch_id}_leave"
+    deadline = time.monotonic() + timeout
+    while True:
+        held = store.compare_set(_MEMBER_TOKEN, "", mine).decode()
+        if held == mine:
             break
-        if store.compare_set(_MEMBER_LIST, listed, listed.replace(entry, "")).decode() != listed:
-            continue  # another join changed the list meanwhile: read it again
-        break
-    for what in ("join", "leave"):
-        held = f"Token_for_{name}_{what}"
-        if store.check([_MEMBER_TOKEN]) and store.get(_MEMBER_TOKEN).decode() == held:
+        holder = _token_holder(held)
+        if holder is not None and dead(holder):
             store.compare_set(_MEMBER_TOKEN, held, "")
             store.set(held, "Done")  # a member waiting for the token reads this key
+            continue
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the RPC group's membership token stayed with {holder or held!r} for "
+                f"{timeout} s while {name!r} (torch id {torch_id}) was to be taken off the list"
+            )
+        time.sleep(0.005)
+    try:
+        entry = f"{name}-{torch_id},"
+        if store.check([_MEMBER_LIST]):
+            listed = store.get(_MEMBER_LIST).decode()
+            if entry in listed:
+                store.set(_MEMBER_LIST, listed.replace(entry, ""))
+    finally:
+        store.set(_MEMBER_TOKEN, "")
+        store.set(mine, "Done")
+
+
+def _token_holder(token: str) -> str | None:
+    """The torch name in torch's "Token_for_<name>_<join|leave>", else None."""
+    for what in ("_join", "_leave"):
+        if token.startswith("Token_for_") and token.endswith(what):
+            return token[len("Token_for_") : -len(what)]
+    return None
 
 
 def agent_store() -> Store:
@@ -705,9 +735,7 @@ def _patch_rref_pickling(hooks: Hooks) -> None:
         # torch's RRefForkData: (owner, rref id (2), fork id (2), parent, type): torch
         # would tell both the owner and the parent (the sender) of this fork.
         hooks.check_fork(int(fork_data[0]), int(fork_data[5]))
-        rref = receive(cls, fork_data)
-        _rref_kinds[rref] = str(fork_data[6])
-        return rref
+        return receive(cls, fork_data)
 
     _patch(pickler, "_py_rref_reducer", checked_reduce)
     _patch(_rpc_internal._InternalRPCPickler, "_py_rref_receiver", classmethod(checked_receive))

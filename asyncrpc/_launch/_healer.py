@@ -1,15 +1,16 @@
 """Replacing a dead worker in place (`restart="worker"`): the supervisor's or launcher's side.
 
 The supervisor saw one of its workers die. Before a replacement may join
-torch's group under the same name, every other member must forget the dead
-process and the store must stop listing it (`_core._membership` has the
-members' side)::
+torch's group (under a torch name of its own, `name:<id>`), every other
+member must hear of the dead process and the store must stop listing it
+(`_core._membership` has the members' side)::
 
     Healer.replace(rank, why)
       state: heals + 1 (refused once the world is ending), restarts + 1 <= K
       side channel ──"member gone <seq> <id> <name> <why>"──> every other member
       wait for their acks (bounded: a member that died too is healed next)
-      store: "<torch name>-<id>," off torch's list, a join it left half done released
+      store: "<torch name>-<id>," off torch's list, holding the group's token as
+             torch's joins do (a token a dead process held is released)
       -> Joining(fresh torch id, tag, replacement=True): start the new process with it
     Healer.started(): state: heals - 1
 
@@ -19,6 +20,7 @@ lives in the store, so launchers on several nodes share it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -103,15 +105,32 @@ class Healer:
             key = f"group/{name}"
             prefix = self.space.get(key).decode() if self.space.check([key]) else "rpc_prefix_0"
             dead = _membership.torch_name(name, old, len(self.names))
-            _torch.forget_member(PrefixStore(prefix, self.rpc), dead, old)
+            _torch.forget_member(PrefixStore(prefix, self.rpc), dead, old,
+                                 functools.partial(self._is_dead, old), _ACK_S)  # fmt: skip
             fresh = len(self.names) - 1 + int(self.space.add("ids", 1))
             self.ids[name] = fresh
+            self.space.set(f"spawned/{name}", str(fresh))  # the process that answers for it next
         except BaseException:
             _membership.end_heal(self.space)
             raise
         if not retry:
             self.attempts[name] += 1
         return Joining(fresh, self.tag, replacement=True)
+
+    def _is_dead(self, forgotten: int, torch_name: str) -> bool:
+        """Whether the process torch knows as `torch_name` died (or is `forgotten`).
+
+        Each name has one live process at most: the one spawned last for it
+        (`spawned/<name>` in the store, shared by the launchers of every node;
+        its rank before any heal). Any other process of that name is dead.
+        """
+        name, _, tail = torch_name.partition(":")
+        if name not in self.names:
+            return False  # not a member's: a launcher's own edit, alive
+        torch_id = int(tail) if tail.isdigit() else self.names.index(name)
+        key = f"spawned/{name}"
+        latest = int(self.space.get(key)) if self.space.check([key]) else self.names.index(name)
+        return torch_id == forgotten or torch_id != latest
 
     def joining(self) -> set[str]:
         """The names whose replacement was started but has not joined yet (published its id).
