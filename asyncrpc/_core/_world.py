@@ -291,7 +291,8 @@ def owner_of(rref: Any, what: str) -> str:
             f"{what} lives on a process (torch id {owner}) that is not in the world any more",
             "",
         )
-    return str(owner.name)
+    # The member's name: a replacement's torch name is "name:<torch id>" (_membership).
+    return str(owner.name).split(":", 1)[0]
 
 
 def _name_read(error: BaseException, sent: Sent) -> BaseException:

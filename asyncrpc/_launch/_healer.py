@@ -36,6 +36,7 @@ __all__ = ["Healer"]
 # for a core and the GIL. One that dies meanwhile is not waited for (`still_alive`).
 _ACK_S = 30.0
 _POLL_S = 0.005
+_NONE_ALIVE = "-1"  # spawned/<name> while no process of it lives
 
 
 class Healer:
@@ -95,6 +96,7 @@ class Healer:
         if not _membership.begin_heal(self.space, name):
             return None
         try:
+            self.space.set(f"spawned/{name}", _NONE_ALIVE)  # its process is dead (_is_dead)
             old = self.ids[name]
             seq = int(self.space.add("seq", 1))
             text = _membership.gone_message(name, old, seq, " ".join(why.split()))
@@ -117,12 +119,18 @@ class Healer:
             self.attempts[name] += 1
         return Joining(fresh, self.tag, replacement=True)
 
+    def stop(self, name: str) -> None:
+        """The supervisor stopped `name`'s replacement before it joined: start it again."""
+        self.retry.add(name)
+        self.space.set(f"spawned/{name}", _NONE_ALIVE)
+
     def _is_dead(self, forgotten: int, torch_name: str) -> bool:
         """Whether the process torch knows as `torch_name` died (or is `forgotten`).
 
         Each name has one live process at most: the one spawned last for it
         (`spawned/<name>` in the store, shared by the launchers of every node;
-        its rank before any heal). Any other process of that name is dead.
+        its rank before any heal; none while it is being replaced or was
+        stopped). Any other process of that name is dead.
         """
         name, _, tail = torch_name.partition(":")
         if name not in self.names:

@@ -57,6 +57,7 @@ _POLL_S = 0.05  # how often a launcher looks at its workers
 _STORE_EVERY_S = 0.25  # ... and at the store (a failure on another node)
 _LINGER_S = 5.0  # how long node 0 keeps its store for the others to read a failure
 _END_WAIT_S = 60.0  # ... and for the other nodes' workers to leave at the end
+_KILLED_S = 5.0  # how long a SIGKILLed worker may take to be gone
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Raised by a store operation when node 0's launcher (the store's host) has ended.
 _STORE_GONE = (RuntimeError, dist.DistNetworkError)
@@ -261,8 +262,10 @@ class Node:
         for local, proc in enumerate(self.procs):
             name = self.healer.names[self.first + local]
             if name in joining and proc.poll() is None:
-                self.healer.retry.add(name)
+                self.healer.stop(name)
                 proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(_KILLED_S)  # dead before its name is forgotten
 
     def _failure_elsewhere(self) -> str | None:
         try:

@@ -47,6 +47,7 @@ __all__ = ["run"]
 
 _GRACE_S = 3.0  # how long survivors get to exit on their own after a failure
 _KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL
+_KILLED_S = 5.0  # how long a SIGKILLed worker may take to be gone
 
 
 def run(
@@ -547,8 +548,9 @@ def _stop_joining(
     """
     for other in running.values():
         if healer.names[other] in joining:
-            healer.retry.add(healer.names[other])
+            healer.stop(healer.names[other])
             procs[other].kill()
+            procs[other].join(_KILLED_S)  # dead before its name is forgotten
 
 
 def _signal_first(proc: BaseProcess) -> int:
