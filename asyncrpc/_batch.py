@@ -35,7 +35,7 @@ from ._core import _calls, _cancel, _torch
 from ._core._errors import BatchNotSentError, CancelledError, WorkerUnreachableError
 from ._core._execution import Kind, classify, run_python, run_python_async
 from ._core._failures import hold, label_of
-from ._core._futures import Settle, completed
+from ._core._futures import Settle, completed, failed
 
 __all__ = ["Batch", "run_batch"]
 
@@ -106,8 +106,16 @@ class Batch:
         args: Sequence[Any] | None = None,
         kwargs: Mapping[str, Any] | None = None,
     ) -> Future[Any]:
-        """Add `func(*args, **kwargs)` on worker `to`; a Future of its result, set once sent."""
-        call = _calls.check("Batch.rpc_async", to, func, args, kwargs, self._timeout)
+        """Add `func(*args, **kwargs)` on worker `to`; a Future of its result, set once sent.
+
+        A call to a worker that cannot be reached now (it is being replaced)
+        gets a Future failed with that `WorkerUnreachableError`; the Batch's
+        other calls go as usual.
+        """
+        try:
+            call = _calls.check("Batch.rpc_async", to, func, args, kwargs, self._timeout)
+        except WorkerUnreachableError as unreachable:  # a death's: this call only
+            return failed(unreachable)
         entry = (call.func, tuple(call.args or ()), dict(call.kwargs or {}), call.sent.key)
         settle = Settle()
         fut = settle.future

@@ -60,7 +60,7 @@ def test_every_failure_the_deaths_caused_is_named(load: dict[str, Any]) -> None:
         # Not vacuous: the deaths were met, on objects too, and every kind of call ran.
         assert tally["named"].get("WorkerUnreachableError", 0) > KILLS, tally["named"]
         assert tally["named"].get("ObjectLostError", 0) > 0, tally["named"]
-        assert len(tally["ok"]) == 12 and min(tally["ok"].values()) > 0, tally["ok"]
+        assert len(tally["ok"]) == 13 and min(tally["ok"].values()) > 0, tally["ok"]
 
 
 def test_calls_between_survivors_all_arrive(load: dict[str, Any]) -> None:

@@ -3,9 +3,11 @@
 tests/programs/heal_paths.py runs each scenario in a world that heals; the
 docs promise: a dying producer's stream delivers what reached the consumer,
 in order, then `WorkerUnreachableError`; an object of a dead process sent
-in a call, by anyone, raises `ObjectLostError` naming the dead worker; and
-two deaths at once fail every call named, those the replacements make to
-each other too.
+in a call, by anyone, raises `ObjectLostError` naming the dead worker; two
+deaths at once fail every call named, those the replacements make to each
+other too; a Batch still sends its calls to other workers; a nested call or
+a `then` callback passes the named failure on; and a dead consumer's
+streams are closed on their producer.
 """
 
 from __future__ import annotations
@@ -55,3 +57,23 @@ def test_two_deaths_at_once_fail_every_call_named() -> None:
     assert seen["failures"], "no call met a worker being replaced: the test saw nothing"
     for failure in seen["failures"]:
         assert failure["named"] and failure["name"] in ("worker2", "worker3"), failure
+
+
+def test_a_batch_beside_a_worker_being_replaced_still_sends_its_other_calls() -> None:
+    seen = _run("batch")
+    assert seen["refused"] > 0, "no Batch met worker2 being replaced: the test saw nothing"
+    assert all(other == {"value": 0} for other in seen["others"]), seen["others"][:5]
+    assert all(f["named"] and f["name"] == "worker2" for f in seen["failures"]), seen["failures"]
+
+
+def test_nested_calls_and_then_callbacks_that_meet_the_death_fail_named() -> None:
+    seen = _run("nested")
+    relayed = seen["relayed"]
+    assert relayed["error"] == "WorkerUnreachableError" and relayed["name"] == "worker2", relayed
+    assert any("On worker 'worker1'" in note for note in relayed["notes"]), relayed  # where
+    assert seen["then"]["error"] == "WorkerUnreachableError", seen["then"]  # not a bare one
+
+
+def test_a_dead_consumers_streams_are_closed_on_their_producer() -> None:
+    seen = _run("consumer-dies")
+    assert seen["after"] == [seen["first"]] * 4, seen  # no generator, no thread left over

@@ -292,8 +292,8 @@ def send_remote(call: Call) -> rpc.RRef[Any]:
             _torch.keep_until_done(_torch.rref_future(rref), keep)
     except Exception as exc:
         raise_unsendable(exc, call.worker, call.label)
-    if healing is not None and func in _RUNNERS:  # a Python function's value: PyObject
-        _torch.note_kind(rref, _torch.PY_OBJECT)  # (_forks sends it before it is confirmed)
+    if healing is not None:  # `_forks` may send it on before its owner confirmed it
+        _torch.note_kind(rref, _torch.PY_OBJECT if func in _RUNNERS else _torch.PENDING)
     if replied is not None:
         _torch.rref_future(rref).add_done_callback(replied)
     if call.hang_after:

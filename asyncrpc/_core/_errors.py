@@ -116,7 +116,8 @@ class WorkerUnreachableError(AsyncRPCError, RuntimeError, ConnectionError):
         self.name = name
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (str(self), self.name))
+        # With its state: notes (where a relayed failure was raised) cross too.
+        return (type(self), (str(self), self.name), dict(vars(self)))
 
 
 class ObjectLostError(WorkerUnreachableError):
@@ -140,7 +141,8 @@ class CallTimeoutError(AsyncRPCError, RuntimeError, TimeoutError):
         self.name = name
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (str(self), self.name))
+        # With its state: notes (where a relayed failure was raised) cross too.
+        return (type(self), (str(self), self.name), dict(vars(self)))
 
 
 class WorkerFailedError(AsyncRPCError):
@@ -256,4 +258,5 @@ class CancelledError(AsyncRPCError, concurrent.futures.CancelledError):
         self.name = name
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (str(self), self.name))
+        # With its state: notes (where a relayed failure was raised) cross too.
+        return (type(self), (str(self), self.name), dict(vars(self)))

@@ -19,14 +19,16 @@ ways that need none of these messages::
                           it pickles (`adopt`: taken in          pickles; an owner that
                           without telling anyone)                died: ObjectLostError
 
-Where the callee is not known (a value returned, torch's own verbs), and for an
-RRef whose owner has not confirmed it yet and whose value's type is not known
-here, torch forks as usual, refused where the owner or the sender is known
-dead (`_world._check_fork`).
+An RRef that asyncrpc's `remote()` made of an operator (a type not known here)
+is waited for first: its owner makes it, or `ObjectLostError`. Where the callee
+is not known (a value returned, torch's own verbs), and for an RRef made by
+torch's own `remote()`, torch forks as usual, refused where the owner or the
+sender is known dead (`_world._check_fork`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from . import _torch
@@ -44,15 +46,47 @@ def reduce(py_rref: Any, to: int, keep: list[Any], me: int, members: Members) ->
     found = _torch.rref_owner(py_rref)
     owner = found if isinstance(found, int) else int(found.id)
     members.check_owner(owner, "the object of an RRef or handle passed to a call")
-    kind = _torch.rref_kind(py_rref)
-    if kind is None and py_rref.confirmed_by_owner():
-        kind = ""  # not known here, but the object exists: its owner knows its type
-    if owner == me or kind is None:
+    if owner == me:
         return None
+    kind = _torch.rref_kind(py_rref)
+    if kind is None:  # not made here by asyncrpc, nor received: torch's own remote()
+        return None
+    if kind == _torch.PENDING:  # asyncrpc's remote() of an operator: its type is the owner's
+        _confirmed(py_rref, owner, members)
+        kind = ""
     if owner == to:
         keep.append(py_rref)  # the owner keeps the object while this RRef lives
         return (owned, (owner, *_torch.rref_id(py_rref), kind))
     return (adopt, (_lend(py_rref, owner, kind, members),))
+
+
+def _confirmed(py_rref: Any, owner: int, members: Members) -> None:
+    """Wait until the owner made `py_rref`'s object; an owner that died: ObjectLostError.
+
+    torch's own fork of an RRef its owner has not confirmed would wait for the
+    owner with messages whose last failed retry can end this process. torch
+    never completes the creation of an owner that died: its death is learnt
+    from the members (within a heal's notice), bounded by `_CONFIRM_S`.
+    """
+    deadline = time.monotonic() + _CONFIRM_S
+    while True:
+        done = _torch.created(py_rref)
+        if done:
+            return
+        members.check_owner(owner, "the object of an RRef passed to a call")
+        if done is False or time.monotonic() > deadline:
+            name = members.name_of(owner) or ""
+            why = "its owner failed to make it" if done is False else "its owner did not make it"
+            raise ObjectLostError(
+                f"an RRef passed to a call refers to an object that does not exist: {why} "
+                f"(worker {name!r}); it has probably died: make the object again",
+                name,
+            )
+        time.sleep(_POLL_S)
+
+
+_CONFIRM_S = 60.0
+_POLL_S = 0.001
 
 
 def _lend(py_rref: Any, owner: int, kind: str, members: Members) -> tuple[Any, ...]:

@@ -171,6 +171,9 @@ class Members:
         self.replacing: dict[str, str] = {}  # name -> why it is being replaced
         self.lost: dict[int, str] = {}  # torch id of a dead process -> its name
         self.callbacks: list[Callable[[Replaced], object]] = []
+        # Run with a dead process's torch id once it is known dead (what this worker
+        # serves for it: a stream's producer, say).
+        self.gone_hooks: list[Callable[[int], None]] = []
         self.lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         # torch's WorkerInfo per process (torch id): a process's entry never goes stale.
@@ -185,6 +188,12 @@ class Members:
                 torch_name(name, torch_id, len(self.names))
             )
         return found
+
+    def on_gone(self, hook: Callable[[int], None]) -> None:
+        """Have `hook(torch id)` run once a member's process is known dead (once per hook)."""
+        with self.lock:
+            if hook not in self.gone_hooks:
+                self.gone_hooks.append(hook)
 
     def name_of(self, torch_id: int) -> str | None:
         """The member whose process `torch_id` answers now (None: dead, or never a member)."""

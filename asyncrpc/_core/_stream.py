@@ -403,6 +403,9 @@ def _open(
         _producers[key] = producer
     _activity.count_streams_with(open_producers)
     _world.at_world_end(_close_all)
+    world = _world._world
+    if world is not None and world.members is not None:  # a world that heals
+        world.members.on_gone(_close_from)
     if inspect.isasyncgen(gen):
         producer.pump = start_coroutine(_pump_async(producer), func)
     else:
@@ -514,6 +517,13 @@ def _close_all() -> None:
         _closed_early.clear()
     for thread in threads:  # the process may exit next: let their finally blocks run
         thread.join(_CLOSE_S)
+
+
+def _close_from(torch_id: int) -> None:
+    """A consumer's process died (a world that heals): close the streams it left open."""
+    for key in list(_producers):
+        if key >> _cancel.KEY_BITS == torch_id:
+            _close(key)
 
 
 def _forget_if_ended(key: int, producer: _Producer, reply: Future[Any]) -> None:

@@ -44,7 +44,7 @@ from torch._C._distributed_rpc import PyRRef, WorkerInfo
 from torch.distributed.rpc import api as _rpc_api
 from torch.distributed.rpc import internal as _rpc_internal
 
-from ._errors import CancelledError, UnsupportedTorchError
+from ._errors import AsyncRPCError, CancelledError, UnsupportedTorchError
 
 # A module that `torch.distributed` shadows with a function of the same name.
 _rendezvous_module: Any = importlib.import_module("torch.distributed.rendezvous")
@@ -77,6 +77,7 @@ __all__ = [
     "close_pipe",
     "collect_for_wait_all",
     "combine",
+    "created",
     "current_agent",
     "deserialize",
     "failure_kind",
@@ -266,8 +267,15 @@ def own_id() -> int:
     return int(current_agent().get_worker_info().id)
 
 
+PENDING = "?"  # a kind noted for an RRef from `remote` whose type is not known here
+
+
 def note_kind(rref: Any, kind: str) -> None:
-    """Remember the type torch gives `rref`'s value (an RRef's fork carries it)."""
+    """Remember the type torch gives `rref`'s value (an RRef's fork carries it).
+
+    `PENDING`: `rref` came from `remote` here (it has a creation to wait for,
+    `wait_created`), and its type is not known.
+    """
     _rref_kinds[rref] = kind
 
 
@@ -318,6 +326,26 @@ def owner_view(owner: int, rref: tuple[int, int], kind: str) -> Any:
 _OWNER_TYPE = re.compile(
     r"OwnerRRef type is (\S+), expected type is|sub-type of TensorType, but got (\S+)"
 )
+
+
+def created(rref: Any) -> bool | None:
+    """Whether `rref`'s owner has made its value: True, False (it failed), None (not yet).
+
+    Only for an RRef `remote` made in this process: one received has no
+    creation to ask about (torch's Future of it is null: reading it crashes).
+    torch leaves the Future of a creation whose owner died undone for good:
+    None then, and the caller learns of the death otherwise.
+    """
+    if rref.confirmed_by_owner():
+        return True
+    fut = rref._get_future()
+    if not fut.done():
+        return None
+    try:
+        _future_wait(fut)
+    except RuntimeError:
+        return False
+    return True
 
 
 def fork_from_owner(owner_rref: Any) -> tuple[Any, ...]:
@@ -641,8 +669,8 @@ class Hooks(NamedTuple):
     handoff: Callable[..., Any]  # the `asyncrpc-store://` rendezvous handler
     check_owner: Callable[[Any], None]  # before to_here: raise if the owner process died
     # An RRef being sent (the RRef), or received (its owner's and sender's torch ids):
-    # raise if the owner (or the sender) process died.
-    check_fork: Callable[..., None]
+    # raise if the owner (or the sender) process died; True in a world that heals.
+    check_fork: Callable[..., bool]
     # An RRef pickled for a call to torch id `to`: how to send it without torch's fork
     # messages (a reduce tuple), or None for torch's own way; RRefs to hold go in `keep`.
     reduce_rref: Callable[[Any, int, list[Any]], Any]
@@ -734,8 +762,11 @@ def _patch_rref_pickling(hooks: Hooks) -> None:
     def checked_receive(cls: Any, fork_data: tuple[Any, ...]) -> Any:
         # torch's RRefForkData: (owner, rref id (2), fork id (2), parent, type): torch
         # would tell both the owner and the parent (the sender) of this fork.
-        hooks.check_fork(int(fork_data[0]), int(fork_data[5]))
-        return receive(cls, fork_data)
+        heals = hooks.check_fork(int(fork_data[0]), int(fork_data[5]))
+        rref = receive(cls, fork_data)
+        if heals:  # its owner made it: `_forks` may send it on without torch's messages
+            _rref_kinds[rref] = str(fork_data[6])
+        return rref
 
     _patch(pickler, "_py_rref_reducer", checked_reduce)
     _patch(_rpc_internal._InternalRPCPickler, "_py_rref_receiver", classmethod(checked_receive))
@@ -924,15 +955,16 @@ def on_then(make: Callable[[Any, Any], Any] | None) -> None:
 
 
 def _carry_cancel(callback: Callable[[Any], Any], fut: Any) -> Any:
-    # torch would wrap an error the callback lets through in a RuntimeError; a cancel
-    # is carried as it is, so the Future `then` made fails with CancelledError itself.
+    # torch would wrap an error the callback lets through in a RuntimeError; asyncrpc's
+    # own (a cancel, a dead worker, a failed call read in the callback) is carried as it
+    # is, so the Future `then` made fails with that error, named as on every verb.
     try:
         return callback(fut)
-    except CancelledError as cancelled:
+    except AsyncRPCError as named:
         hooks = _hooks
         if hooks is None:
             raise
-        return hooks.carry(cancelled)
+        return hooks.carry(named)
 
 
 def _call_held(callback: Callable[[Any], Any], held: Any, fut: Any) -> Any:

@@ -238,7 +238,7 @@ def _check_owner(rref: Any) -> None:
     owner_of(rref, "the value of this RRef")
 
 
-def _check_fork(owner: Any, sender: int | None = None) -> None:
+def _check_fork(owner: Any, sender: int | None = None) -> bool:
     """An RRef crosses a call: `ObjectLostError` if its owner's process died.
 
     `owner`: the RRef being sent, or its owner's torch id as it is received
@@ -246,12 +246,14 @@ def _check_fork(owner: Any, sender: int | None = None) -> None:
     sender of the fork, each by a message retried for seconds and then
     failed on a thread of torch's own, where the failure ends the process:
     a fork that involves a dead process is refused here first. Cheap where
-    nothing died: one attribute read.
+    nothing died: one attribute read. True in a world that heals.
     """
     world = _world
     members = world.members if world is not None else None
-    if members is None or not members.lost:
-        return
+    if members is None:
+        return False
+    if not members.lost:
+        return True
     if not isinstance(owner, int):
         found = _torch.rref_owner(owner)
         owner = found if isinstance(found, int) else int(found.id)
@@ -262,6 +264,7 @@ def _check_fork(owner: Any, sender: int | None = None) -> None:
             f"process died before the call ran here; it is not run",
             members.lost[sender],
         )
+    return True
 
 
 def _reduce_rref(py_rref: Any, to: int, keep: list[Any]) -> Any:
@@ -645,6 +648,8 @@ def _member_news(text: str) -> None:
         # Kept in torch's group (see _membership); its pipe closed, or its sockets
         # would stay open (CLOSE-WAIT) here for good.
         _torch.close_pipe(_membership.torch_name(name, torch_id, world.context.world_size))
+        for hook in list(world.members.gone_hooks):
+            hook(torch_id)
     _membership.heal_space(world.store, world.tag).set(f"{seq}/ack/{world.context.name}", "1")
 
 

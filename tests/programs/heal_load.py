@@ -9,8 +9,9 @@ survivor thread mixes, against the victims: `rpc_async`, `remote` +
 `to_here`, handles (`spawn` + `call`, `call_async`, `call_remote`,
 `stream`), `stream`, `Batch`, nested `async def` relays (a victim calls the
 other survivor back, or an object of a survivor through a handle it was
-passed), handles passed as arguments to the other survivor, and
-survivor-to-survivor calls (counted on both sides).
+passed), handles passed as arguments to the other survivor, a victim's
+RRef of a torch operator handed to the other survivor at once (before its
+owner confirmed it), and survivor-to-survivor calls (counted on both sides).
 
 worker0 SIGKILLs a victim KILLS times, alternating, most with calls in
 flight and every fourth with the survivors' traffic paused (no call in
@@ -53,7 +54,7 @@ WORLD_SIZE = 5
 HEAL_S = 30.0  # a replacement joins within this
 CALL_S = 20.0  # every call's timeout: a call that times out is a failure here
 KINDS = ("rpc_async", "remote", "handle", "call_async", "call_remote", "handle_stream",
-         "stream", "batch", "relay", "lend", "call_back", "peer")  # fmt: skip
+         "stream", "batch", "relay", "lend", "call_back", "peer", "pass_rref")  # fmt: skip
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 
@@ -90,6 +91,11 @@ async def relay(survivor: str, x: torch.Tensor) -> torch.Tensor:
     """On a victim: call a survivor back, then answer (a nested async def call)."""
     back = await asyncrpc.rpc_async(survivor, double, args=(x,))
     return back + 1
+
+
+def use_rref(rref: Any) -> Any:
+    """Read an RRef passed as an argument (one a victim owns)."""
+    return rref.to_here()
 
 
 def use_handle(handle: asyncrpc.RemoteObject[Actor]) -> int:
@@ -273,6 +279,10 @@ def _one(
         asyncrpc.rpc_sync(other, use_handle, args=(_handle(handles, victim),), timeout=CALL_S)
     elif kind == "call_back":  # a victim calls this survivor's object through a handle
         _handle(handles, victim).call("call_back", mine)
+    elif kind == "pass_rref":  # a victim's RRef of an operator, handed on at once
+        rref = asyncrpc.remote(victim, torch.add, args=(x, 1), timeout=CALL_S)
+        got = asyncrpc.rpc_sync(other, use_rref, args=(rref,), timeout=CALL_S)
+        assert torch.equal(got, x + 1)
     elif kind == "peer":
         asyncrpc.rpc_sync(other, served, timeout=CALL_S)
         with tally.lock:

@@ -73,6 +73,7 @@ def outcome(run: Any) -> dict[str, Any]:
             "named": isinstance(exc, asyncrpc.WorkerUnreachableError),
             "name": getattr(exc, "name", None),
             "message": str(exc)[:400],
+            "notes": getattr(exc, "__notes__", []),
         }
     return {"value": value}
 
@@ -205,10 +206,106 @@ def two_deaths() -> dict[str, Any]:
     return {"failures": failures, "rounds": 5}
 
 
+# ---- a Batch beside a worker being replaced -------------------------------------------------
+
+
+def batch_beside() -> dict[str, Any]:
+    """Batches of [worker2, worker3] right after worker2 died: worker3's calls run."""
+    seen: dict[str, Any] = {"batches": 0, "refused": 0, "others": [], "failures": []}
+    for _ in range(3):
+        before = asyncrpc.rpc_sync("worker2", attempt)
+        os.kill(asyncrpc.rpc_sync("worker2", pid), signal.SIGKILL)
+        deadline = time.monotonic() + BOUND_S
+        while time.monotonic() < deadline:
+            with asyncrpc.Batch(timeout=10) as batch:
+                dead = batch.rpc_async("worker2", attempt)
+                other = batch.rpc_async("worker3", attempt)
+            seen["batches"] += 1
+            seen["others"].append(outcome(other.wait))
+            got = outcome(dead.wait)
+            if "error" in got:
+                seen["failures"].append(got)
+                seen["refused"] += "nothing was sent" in got["message"]
+            elif got["value"] > before:
+                break  # the replacement answers
+    return seen
+
+
+# ---- nested calls and then-callbacks that meet the death ----------------------------------
+
+
+async def relay_to(name: str) -> int:
+    """On worker1: call `name` (it dies as it runs the call) from an async def."""
+    got: int = await asyncrpc.rpc_async(name, die_now, timeout=10)
+    return got
+
+
+def die_now() -> int:
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 0
+
+
+def nested() -> dict[str, Any]:
+    before = asyncrpc.rpc_sync("worker2", attempt)
+    relayed = outcome(lambda: asyncrpc.rpc_sync("worker1", relay_to, args=("worker2",)))
+    until_back("worker2", before + 1)
+    fut = asyncrpc.rpc_async("worker2", die_now).then(lambda f: f.wait() + 1)
+    then_child = outcome(fut.wait)
+    until_back("worker2", before + 2)
+    return {"relayed": relayed, "then": then_child}
+
+
+# ---- a consumer that dies: the producer's generator is closed --------------------------------
+
+
+def produce_forever() -> Any:
+    i = 0
+    while True:
+        yield i
+        i += 1
+
+
+def consume_then_die() -> None:
+    """On worker1: take three items of worker3's stream, then die holding it open."""
+    stream = asyncrpc.stream("worker3", produce_forever, window=2)
+    for _ in range(3):
+        next(stream)
+    STATE["stream"] = stream
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def producers() -> tuple[int, int]:
+    from asyncrpc._core import _stream
+
+    return _stream.open_producers(), threading.active_count()
+
+
+def consumer_dies() -> dict[str, Any]:
+    first = asyncrpc.rpc_sync("worker3", producers)
+    seen = []
+    for round_ in range(4):
+        before = asyncrpc.rpc_sync("worker1", attempt)
+        asyncrpc.rpc_async("worker1", consume_then_die)
+        until_back("worker1", before + 1)
+        deadline = time.monotonic() + BOUND_S
+        while asyncrpc.rpc_sync("worker3", producers)[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(asyncrpc.rpc_sync("worker3", producers))
+        del round_
+    return {"first": first, "after": seen}
+
+
 def main(ctx: asyncrpc.Context, scenario: str) -> None:
     if ctx.rank != 0:
         return
-    run = {"streams": streams, "arguments": arguments, "two-deaths": two_deaths}[scenario]
+    run = {
+        "streams": streams,
+        "arguments": arguments,
+        "two-deaths": two_deaths,
+        "batch": batch_beside,
+        "nested": nested,
+        "consumer-dies": consumer_dies,
+    }[scenario]
     print("heal paths: " + json.dumps(run()), flush=True)
 
 

@@ -32,7 +32,6 @@ KEYS = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 def torch_state() -> dict[str, object]:
     """What asyncrpc may change in torch: classes, registries, hooks, environment."""
     from torch._C._distributed_rpc import PyRRef
-
     from torch.distributed.rpc import internal
 
     handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
