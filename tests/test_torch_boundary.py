@@ -579,6 +579,6 @@ def test_a_dead_member_leaves_the_group_list_under_the_groups_token() -> None:
     _torch.forget_member(store, "worker1:5", 5, dead, timeout=5)
     assert time.monotonic() - started >= 0.25
     assert store.get("names/_ALL_WORKER_INFOS") == b"worker0-0,worker1-1,"
-    store.set("RpcGroupManagementToken", "Token_for_worker0_join")
-    with pytest.raises(TimeoutError, match="worker0"):
-        _torch.forget_member(store, "worker1", 1, dead, timeout=0.2)
+    store.set("RpcGroupManagementToken", "Token_for_worker0_join")  # stuck: taken in the end
+    _torch.forget_member(store, "worker1", 1, dead, timeout=0.2)
+    assert store.get("names/_ALL_WORKER_INFOS") == b"worker0-0,"

@@ -25,7 +25,8 @@ is not a `WorkerUnreachableError` (ObjectLostError included) is kept whole.
 Two knobs, for measuring by hand: HEAL_LOAD_NO_KILL=1 runs the same rounds
 and traffic without a death (the control for memory), and
 HEAL_LOAD_SETTLE_S=N reads the survivors once more N s after the traffic
-stopped (what torch still holds once its retries ran out).
+stopped (what torch still holds once its retries ran out). HEAL_LOAD_CHANNELS
+picks TensorPipe's channels (`basic`; asyncrpc's default otherwise).
 """
 
 from __future__ import annotations
@@ -359,6 +360,8 @@ def referee(ctx: asyncrpc.Context, kills: int, seed: int) -> None:
         try:
             rounds.append({name: asyncrpc.rpc_sync(name, usage, timeout=CALL_S)
                            for name in SURVIVORS})  # fmt: skip
+            brief = {n: (r["fds"], r["sockets"], r["threads"]) for n, r in rounds[-1].items()}
+            print(f"heal load round {k}: {brief}", flush=True)
         except asyncrpc.WorkerUnreachableError as exc:  # a survivor died: the end of it
             rounds.append({"error": str(exc)[:300]})
         if any(e.name in SURVIVORS for e in events) or "error" in rounds[-1]:
@@ -439,7 +442,9 @@ if __name__ == "__main__":
     kills = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     threads = int(sys.argv[2]) if len(sys.argv) > 2 else 4
     seed = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    channels = os.environ.get("HEAL_LOAD_CHANNELS")  # e.g. "basic" (default: asyncrpc's)
+    options = {"channels": tuple(channels.split(","))} if channels else {}
     asyncrpc.run(
         main, world_size=WORLD_SIZE, args=(kills, threads, seed), max_restarts=kills + 10,
-        restart="worker", rpc_timeout=CALL_S,
+        restart="worker", rpc_timeout=CALL_S, **options,
     )  # fmt: skip

@@ -105,6 +105,11 @@ class Worker:
     attempt: int
     joined: bool = True  # False from a kill until a call (or event) shows the replacement
     pids: dict[int, int] = field(default_factory=dict)  # attempt -> pid
+    # A newborn was killed while another worker's death was still being handled: the
+    # supervisor may have stopped that newborn itself and started it again under the
+    # same attempt (a joiner it stops is no death of its own), which the model cannot
+    # tell from the one it killed. Then the next answer may come one attempt short.
+    retried: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -287,6 +292,11 @@ class BaseModel(RuleBasedStateMachine):
         """Check a call's value: its own id, from the process of `attempt`."""
         pid, answered, echoed = got[:3]
         assert echoed == call_id, f"call {call_id} to {worker.name} returned id {echoed}"
+        if worker.retried and attempt == worker.attempt and answered == attempt - 1:
+            worker.attempt = attempt = answered  # the supervisor's own start again, not ours
+            worker.pids[answered] = pid
+            Shared.stats["joiner started again by the supervisor"] += 1
+        worker.retried = False
         assert answered == attempt, (
             f"call {call_id} to {worker.name} was answered by attempt {answered}; the model "
             f"expects attempt {attempt} (the worker's model: {worker})"
@@ -464,6 +474,7 @@ class BaseModel(RuleBasedStateMachine):
         worker.pids[worker.attempt] = pid
         _kill(pid)
         self._killed(worker)
+        worker.retried = True
 
     def _wait_event(self, worker: Worker) -> None:
         want = (worker.name, WORKERS.index(worker.name) + 1, worker.attempt)
