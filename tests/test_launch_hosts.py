@@ -27,7 +27,7 @@ import pytest
 
 from conftest import PROGRAMS, start_program
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("hosts")]  # one pair of hosts
 
 ADDRESSES = ("10.23.0.1", "10.23.0.2")
 PORT = 29500

@@ -16,7 +16,7 @@ from asyncrpc._trace import _render, _trace
 
 from conftest import ROOT, run_program
 
-pytestmark = pytest.mark.usefixtures("world")
+pytestmark = [pytest.mark.usefixtures("world"), pytest.mark.xdist_group("trace")]  # one trace
 
 
 def work(n: int) -> torch.Tensor:

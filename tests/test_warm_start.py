@@ -10,6 +10,8 @@ import asyncrpc
 
 from conftest import ROOT, run_program
 
+pytestmark = pytest.mark.xdist_group("warm_start")  # one run of the three worlds
+
 LINE = re.compile(
     r"(?P<world>\w+) (?P<name>worker\d) parent=(?P<parent>\d+) warm=(?P<warm>\w+) "
     r"intra=(?P<intra>\d+) interop=(?P<interop>\d+) env=(?P<env>\w+)"
