@@ -39,7 +39,9 @@ def _summary(out: str) -> dict[str, Any]:
     return summary
 
 
-@pytest.fixture(scope="module")
+# Session-wide: a module fixture is set up again whenever xdist interleaves another
+# module's tests between this module's, and the program takes about a minute.
+@pytest.fixture(scope="session")
 def load() -> dict[str, Any]:
     result = run_program("python", str(PROGRAMS / "heal_load.py"), str(KILLS), "4", "1",
                          timeout=280)  # fmt: skip
