@@ -9,6 +9,9 @@
     vmap.png    benchmarks/stacked_mlp.py --json stacked_mlp.json: the vmap
                 engine, serial, auto and the floor in the members' layout,
                 relative to the stacked-GEMM floor, by batch
+    training.png  benchmarks/ensemble_training.py --json ensemble_training.json:
+                a REDQ/SAC training step and acting, the loop, the engine,
+                auto and the hand-written floor, as speed relative to the loop
     heal.png    benchmarks/heal.py --json heal.json: a killed worker's time from
                 the kill to its replacement's first answer, asyncrpc healing it
                 in place vs restarting the whole world vs Ray, against the target
@@ -268,6 +271,43 @@ def heal_chart(data: dict[str, Any], path: Path) -> None:
     _finish(fig, data, f"A killed worker of {data['world_size']} back in service", path)
 
 
+# ---- training.png -------------------------------------------------------------------------
+
+TRAINING_WAYS = {  # way in ensemble_training.json: color
+    "loop": "#7f7f7f",
+    "auto": "#9467bd",
+    "vmap": "#1f77b4",
+    "floor": "#2ca02c",
+}
+
+
+def training_chart(data: dict[str, Any], path: Path) -> None:
+    groups = [(f"training step, batch {b}", found["ways"]) for b, found in data["steps"].items()]
+    groups.append(("acting, batch 1\n(no gradients)", data["acting"]["ways"]))
+    fig, ax = plt.subplots(figsize=(10, 5.2))
+    width = 0.8 / len(TRAINING_WAYS)
+    for j, (way, color) in enumerate(TRAINING_WAYS.items()):
+        for i, (_, ways) in enumerate(groups):
+            if way not in ways:
+                continue
+            x = i + (j - (len(TRAINING_WAYS) - 1) / 2) * width
+            speed = ways[way]["vs_loop"]
+            ax.bar(x, speed, width * 0.92, color=color, label=way if i == 0 else None)
+            ax.text(x, speed, f"{speed:.2f}x\n{ways[way]['ms']:.2f} ms", ha="center",
+                    va="bottom", fontsize=7)  # fmt: skip
+    ax.axhline(1.0, color="0.3", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)), [title for title, _ in groups])
+    ax.set_ylabel("speed relative to the Python loop (higher is better)")
+    top = max(w["vs_loop"] for _, ways in groups for w in ways.values())
+    ax.set_ylim(0, top * 1.3)
+    ax.legend(loc="upper right", fontsize=8, ncol=len(TRAINING_WAYS), frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+    title = (f"REDQ/SAC step over {data['critics']} critics (hidden {data['hidden']}), "
+             f"{data['intra_op_threads']} intra-op threads")  # fmt: skip
+    _finish(fig, data, title, path)
+
+
 # ---- main -----------------------------------------------------------------------------------
 
 CHARTS: dict[str, tuple[str, Callable[[dict[str, Any], Path], None]]] = {
@@ -275,6 +315,7 @@ CHARTS: dict[str, tuple[str, Callable[[dict[str, Any], Path], None]]] = {
     "scale.png": ("scale.json", scale_chart),
     "vmap.png": ("stacked_mlp.json", vmap_chart),
     "heal.png": ("heal.json", heal_chart),
+    "training.png": ("ensemble_training.json", training_chart),
 }
 
 

@@ -68,6 +68,10 @@ CASES = {
             "4 RPC threads",
         ],
     ),
+    "ensemble_training": (
+        "--rounds 1 --batches 8 --sample 0.02 --agree-steps 3".split(),
+        ["  vmap ", "  auto ", "  floor "],
+    ),
     "stacked_mlp": (
         ["--rounds", "1", "--batches", "1", "--sample-seconds", "0.02"],
         ["| 1 | vmap engine |", "| 1 | floor (baddbmm chain) |", "batch 1: auto chose"],
@@ -144,6 +148,12 @@ JSON_FIGURES = {
         ("batches", "1", "engine_over_floor_by_round"),
         ("batches", "1", "auto_over_best"),
     ],
+    "ensemble_training": [
+        ("steps", "8", "ways", "vmap", "vs_floor"),
+        ("steps", "8", "ways", "auto", "vs_loop"),
+        ("acting", "ways", "vmap", "ms"),
+        ("loss_difference", "3", "vmap"),
+    ],
     "small_call": [
         ("layers", "1. TCP ping-pong, 40 B (floor)", "us"),
         ("layers", "4. asyncrpc.rpc_sync, Python function", "of_step_4"),
@@ -159,6 +169,7 @@ CHARTS = {
     "scale": "scale.png",
     "stacked_mlp": "vmap.png",
     "heal": "heal.png",
+    "ensemble_training": "training.png",
 }
 
 

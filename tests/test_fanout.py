@@ -157,8 +157,10 @@ def test_auto_times_each_plan_on_real_calls_then_keeps_the_fastest() -> None:
         timings = fan.timings()
         assert fan.plan == FanoutPlan("threads", 2, 1), timings
         assert all(len(seconds) >= 3 for seconds in timings.values())
-        # Plans alternate until the quicker one has 0.3 s of timed calls too (~8 x 40 ms)
-        assert calls == 2 + 2 * len(timings[fan.plan]), (calls, timings)
+        # Blocks of 3 calls alternate until each plan has 0.3 s of samples (the quicker
+        # call of each block's last two): 4 serial blocks of 80 ms, 8 of 40 ms on lanes.
+        assert len(timings[fan.plan]) > len(timings[FanoutPlan("serial", 1, 2)]), timings
+        assert calls == 1 + 3 * sum(map(len, timings.values())), (calls, timings)
         serial, lanes = (statistics.median(timings[plan]) for plan in fan.plans)
         assert serial > 1.5 * lanes
         assert "threads x2" in repr(fan)
@@ -167,7 +169,7 @@ def test_auto_times_each_plan_on_real_calls_then_keeps_the_fastest() -> None:
 def test_the_tuner_settles_even_when_calls_always_overlap() -> None:
     plans = [FanoutPlan("serial", 1, 2), FanoutPlan("threads", 2, 1)]
     tuner = Tuner(plans, most=5)
-    for _ in range(5):
+    for _ in range(5 * Tuner.BLOCK):
         (_, first), (_, second) = tuner.begin(), tuner.begin()
         assert first is not None and second is not None
         tuner.end(first, ok=True)

@@ -512,7 +512,7 @@ def _state_dict_hooked() -> list[torch.nn.Module]:
             lambda: _members(
                 lambda: torch.nn.Sequential(Residual(), torch.nn.InstanceNorm1d(8)), 2
             ),
-            "layer '1' is a InstanceNorm1d, a torch layer the vmap engine does not know",
+            "layer '1' is an InstanceNorm1d, a torch layer the vmap engine does not know",
         ),
         (_state_dict_hooked, "member 1's module has state dict hooks"),
     ],

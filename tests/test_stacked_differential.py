@@ -1,11 +1,16 @@
 """Differential test: the "vmap" engine and "auto" agree with the members run one by one.
 
-Hypothesis builds random same-architecture ensembles (Sequential chains,
-other module classes, with and without buffers and dropout; classes with
-tuple settings, list and dict settings, an override of nn.Module's, a
-parametrization; hooks of every kind registered before the `Fanout` is
-made) and applies random sequences of what users do between calls:
-optimizer steps (SGD with momentum; Adam plain, foreach and fused), `.data`
+Hypothesis builds random same-architecture ensembles (Sequential chains, one
+with LayerNorm and SiLU, other module classes, with and without buffers and
+dropout; classes with tuple settings, list and dict settings, an override of
+nn.Module's, a parametrization; what libraries build: an nn.Sequential
+subclass holding a class, a list and a dict its forward never names
+(torchrl's MLP), an abc.ABC subclass holding a function, a partial and a
+class; hooks of every kind registered before the `Fanout` is made) and
+applies random sequences of what users do between calls: optimizer steps
+(SGD with momentum; Adam plain, foreach and fused; over the members'
+parameters, or over the stacks `Fanout.parameters()` gives), a call on a
+computed input that needs gradients (the actor update's), `.data`
 writes, Polyak updates, `load_state_dict`, attribute and slope changes,
 lists and dicts mutated in place, train/eval switches, `requires_grad`
 toggles, hooks added (forward, forward-pre, full backward, full backward
@@ -21,8 +26,10 @@ parametrizations) must be declined then, and what it can, not.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import copy
+import functools
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -119,7 +126,72 @@ def chain(dropout: bool) -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(8, 6), torch.nn.Tanh())
 
 
+def normed_chain(dropout: bool) -> torch.nn.Module:
+    """LayerNorm and SiLU in a chain: the batched-GEMM path, each member's own affine."""
+    layers: list[torch.nn.Module] = [torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.SiLU()]
+    if dropout:
+        layers.append(torch.nn.Dropout(0.3))
+    return torch.nn.Sequential(*layers, torch.nn.Linear(8, 6))
+
+
+class LibraryMLP(torch.nn.Sequential):
+    """As torchrl's MLP: an nn.Sequential subclass holding a type, a list and a dict that
+    only __init__ reads (forward never names them), so they are not settings."""
+
+    def __init__(self, dropout: bool) -> None:
+        self.in_features, self.out_features = 6, 6
+        self.num_cells = [8]
+        self.activation_class = torch.nn.Tanh
+        self.activation_kwargs: dict[str, Any] = {}
+        super().__init__(*self._make_net(dropout))
+
+    def _make_net(self, dropout: bool) -> list[torch.nn.Module]:
+        layers: list[torch.nn.Module] = []
+        width = self.in_features
+        for cells in self.num_cells:
+            layers += [
+                torch.nn.Linear(width, cells),
+                self.activation_class(**self.activation_kwargs),
+            ]
+            width = cells
+        return [*layers, *([torch.nn.Dropout(0.3)] if dropout else []),
+                torch.nn.Linear(width, self.out_features)]  # fmt: skip
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if len(inputs) > 1:
+            inputs = (torch.cat([*inputs], -1),)
+        return super().forward(*inputs)  # type: ignore[no-any-return]
+
+
+class Head(torch.nn.Module, abc.ABC):
+    """An abstract base (abc.ABC): Python's `__abstractmethods__` is not the user's."""
+
+    @abc.abstractmethod
+    def squash(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class Functional(Head):
+    """Settings that are a function, a partial of one, and a class (identity compared)."""
+
+    def __init__(self, dropout: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+        self.drop = torch.nn.Dropout(0.3) if dropout else torch.nn.Identity()
+        self.act = torch.nn.functional.relu
+        self.leaky = functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.2)
+        self.kind = torch.nn.Tanh
+
+    def squash(self, x: torch.Tensor) -> torch.Tensor:
+        return self.leaky(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.squash(self.act(self.linear(x)) - 0.1))
+
+
 KINDS: dict[str, Callable[[bool], torch.nn.Module]] = {
+    "normed-chain": normed_chain,
+    "library": LibraryMLP,
+    "functional": Functional,
     "chain": chain,
     "residual": Residual,
     "normed": Normed,
@@ -141,6 +213,7 @@ Step = tuple[str, int, int, float]  # what, member, seed, a number
 def _steps() -> st.SearchStrategy[list[Step]]:
     what = st.sampled_from(
         ["call", "call", "call", "sgd", "adam", "adam-foreach", "adam-fused", "data",
+         "sgd-stacked", "adam-stacked", "adam-foreach-stacked", "call-nonleaf",
          "polyak", "load", "attribute", "mutate", "mode", "mode-all", "freeze", "dtype",
          "hook", "hook", "unhook"]
     )  # fmt: skip
@@ -274,16 +347,44 @@ def _apply(step: Step, copies: list[Copies], x: torch.Tensor) -> None:
         for c in copies:
             c.handles.clear()
         return
+    if what == "call-nonleaf":
+        _call_nonleaf(copies, x, number)
+        return
     for c in copies:
         torch.manual_seed(seed)
         member = c.members[index % len(c.members)]
         _APPLY[what.split("-")[0]](c, member, what, number, x)
 
 
+def _call_nonleaf(copies: list[Copies], x: torch.Tensor, number: float) -> None:
+    """The actor update's input: computed, needing gradients; they reach its source alike."""
+    if _drawing(copies[0].members):
+        return
+    dtype = next(copies[0].members[0].parameters()).dtype
+    grads = []
+    for c in copies:
+        source = torch.full((x.shape[-1],), number, dtype=dtype, requires_grad=True)
+        outputs = c.call((x.to(dtype) * source).tanh())
+        loss = sum(out.sum() for out in outputs if out.requires_grad)
+        if isinstance(loss, torch.Tensor):
+            loss.backward()
+        grads.append(source.grad)
+        for m in c.members:
+            m.zero_grad(set_to_none=True)
+    for got in grads[:-1]:
+        assert (got is None) == (grads[-1] is None)
+        if got is not None and grads[-1] is not None:
+            torch.testing.assert_close(got, grads[-1], rtol=1e-4, atol=1e-4)
+
+
 def _optimize(c: Copies, member: torch.nn.Module, what: str, number: float, x: Any) -> None:
     params = [p for m in c.members for p in m.parameters() if p.requires_grad]
     if not params or _drawing(c.members):  # dropout masks would differ: so would the steps
         return
+    fan, stacked = c.fan, what.endswith("-stacked")
+    what = what.removesuffix("-stacked")
+    if stacked and fan is not None and fan.engine == "vmap" and not fan.declined:
+        params = fan.parameters()  # one optimizer over the stacks: every member stepped
     if what == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9)
     else:

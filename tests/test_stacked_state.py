@@ -365,7 +365,7 @@ def test_a_member_stays_picklable_and_so_does_its_copy() -> None:
                 torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(2, 2))
                 for _ in range(2)
             ],
-            "uses torch.nn.utils.parametrize",
+            "is parametrized (torch.nn.utils.parametrizations",
         ),
     ],
     ids=["repeated", "parametrized"],

@@ -26,17 +26,30 @@ tensors' under grad) on every call, a C-level scan of dict lengths.
 
 from __future__ import annotations
 
+import abc
 import enum
+import functools
 import types
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .._core import _torch
+from ._reads import own_classes, readable
 from ._storage import _mark_entries
 
-__all__ = ["LAYERS", "CallHooks", "class_reason", "immutable", "plain_attributes", "unprovable"]
+__all__ = [
+    "LAYERS",
+    "CallHooks",
+    "article",
+    "class_reason",
+    "immutable",
+    "plain_attributes",
+    "same_setting",
+    "unprovable",
+]
 
 _nn = torch.nn
 LAYERS: frozenset[type[torch.nn.Module]] = frozenset({
@@ -60,7 +73,11 @@ _PYTHON = frozenset({  # what Python puts in every class body
     "__module__", "__qualname__", "__doc__", "__annotations__", "__dict__", "__weakref__",
     "__firstlineno__", "__static_attributes__", "__orig_bases__", "__parameters__",
     "__annotate__", "__type_params__",
+    "__abstractmethods__", "_abc_impl",  # what ABCMeta puts in a class with an ABC base
 })  # fmt: skip
+# Bases that add no behaviour an instance's forward could read: abc.ABC's machinery
+# (`__abstractmethods__`, set by Python) and typing.Generic's.
+_PLAIN_BASES = frozenset({abc.ABC, typing.Generic})
 _SCALARS = frozenset({
     type(None), bool, int, float, complex, str, bytes, type(Ellipsis),
     torch.dtype, torch.device, torch.layout, torch.memory_format,
@@ -81,23 +98,53 @@ def plain_attributes(module: torch.nn.Module) -> dict[str, Any]:
     """A module's settings: what its forward may read besides its tensors, `training` included.
 
     Every entry of its `__dict__` but nn.Module's bookkeeping; of a `LAYERS`
-    layer, not the `_private` ones either (torch's own, derived from its settings).
+    layer, not the `_private` ones either (torch's own, derived from its settings);
+    of a class of the user's own, not those no code a call runs can name (_reads).
     """
-    known = type(module) in LAYERS
+    kind = type(module)
+    known = kind in LAYERS
+    names = None if known else _read_by(kind)
     return {
         key: value
         for key, value in vars(module).items()
-        if key not in _MACHINERY and not (known and key.startswith("_"))
+        if key not in _MACHINERY
+        and not (known and key.startswith("_"))
+        and (names is None or key in names)
     }
 
 
+def _read_by(kind: type) -> frozenset[str] | None:
+    """The names a call of a class of the user's own can read (_reads), or None: all."""
+    own, layers = own_classes(kind, LAYERS)
+    if any(base.__module__.split(".")[0] == "torch" for base in own):
+        return None  # a torch class the allowlist does not know: declined, read all
+    return readable(kind, own, layers)
+
+
 def immutable(value: object) -> bool:
-    """True for a value nothing can change in place: a number, str, dtype, device, None,
-    or a tuple (torch.Size, a NamedTuple), frozenset or Enum of such values."""
+    """True for a value a stacked call may read as member 0's: a number, str, dtype,
+    device, None, a class, a function, or a tuple (torch.Size, a NamedTuple),
+    frozenset, Enum or `functools.partial` of such values.
+
+    A class or a function counts as a setting by identity: members alike hold the
+    very same object, so member 0's code calling it calls what each member would
+    (whatever state it reads, it reads for all of them, as one by one).
+    """
     if type(value) in _SCALARS:
+        return True
+    if isinstance(value, type):  # torchrl's activation_class=nn.Tanh
+        return True
+    if isinstance(value, types.FunctionType):  # F.relu; not a bound method
         return True
     if isinstance(value, types.BuiltinFunctionType):  # torch.relu, not [].append
         return value.__self__ is None or isinstance(value.__self__, types.ModuleType)
+    if type(value) is functools.partial:
+        return (
+            immutable(value.func)
+            and all(map(immutable, value.args))
+            and all(map(immutable, value.keywords.values()))
+            and not vars(value)
+        )
     if isinstance(value, (tuple, frozenset)) and not hasattr(value, "__dict__"):
         return all(map(immutable, value))
     if isinstance(value, enum.Enum):
@@ -119,13 +166,43 @@ def _layer_reason(sub: torch.nn.Module, where: str) -> str | None:
     kind = type(sub)
     if kind in LAYERS:
         return None
+    if kind.__name__ == "OptimizedModule" and hasattr(sub, "_orig_mod"):
+        return (
+            f"{where} is compiled (torch.compile's OptimizedModule), whose forward the vmap "
+            "engine cannot prove; pass the module it wraps (compiled._orig_mod) to the Fanout"
+        )
     if kind.__module__.split(".")[0] == "torch":
         return (
-            f"{where} is a {kind.__name__}, a torch layer the vmap engine does not know (it "
-            "stacks only the layers in asyncrpc's allowlist, see docs/ensembles.md)"
+            f"{where} is {article(kind.__name__)}, a torch layer the vmap engine does not know "
+            "(it stacks only the layers in asyncrpc's allowlist, see docs/ensembles.md)"
         )
     reason = class_reason(kind)
-    return None if reason is None else f"{where} is a {kind.__name__}: {reason}"
+    return None if reason is None else f"{where} is {article(kind.__name__)}: {reason}"
+
+
+def article(name: str) -> str:
+    """`name` with "a" or "an" before it, as it is read: "an LSTM", "a GRU", "an Embedding"."""
+    if len(name) > 1 and name[:2].isupper():  # an acronym: read letter by letter
+        return ("an " if name[0] in "AEFHILMNORSX" else "a ") + name
+    return ("an " if name[:1].upper() in "AEIOU" else "a ") + name
+
+
+def same_setting(a: object, b: object) -> bool:
+    """True when two members' settings are equal: `==`, or partials of equal parts."""
+    if a is b:
+        return True
+    if type(a) is functools.partial and type(b) is functools.partial:
+        return (
+            same_setting(a.func, b.func)
+            and len(a.args) == len(b.args)
+            and all(map(same_setting, a.args, b.args))
+            and a.keywords.keys() == b.keywords.keys()
+            and all(same_setting(a.keywords[k], b.keywords[k]) for k in a.keywords)
+        )
+    try:
+        return bool(a == b)
+    except Exception:  # an array's ambiguous truth, say: count it as a difference
+        return False
 
 
 def class_reason(cls: type) -> str | None:
@@ -133,7 +210,7 @@ def class_reason(cls: type) -> str | None:
     for base in cls.__mro__:
         if base is torch.nn.Module:
             return None
-        if base in LAYERS:
+        if base in LAYERS or base in _PLAIN_BASES:
             continue
         if base.__module__.split(".")[0] == "torch":
             return f"it derives from torch's {base.__name__}, which the vmap engine does not know"
@@ -149,7 +226,7 @@ def class_reason(cls: type) -> str | None:
                 continue
             if not immutable(value):
                 return (
-                    f"{base.__name__}.{name} is a {type(value).__name__}, which can change "
+                    f"{base.__name__}.{name} is {article(type(value).__name__)}, which can change "
                     "unseen; hold class-level settings as immutable values (a number, a tuple)"
                 )
     return f"{cls.__name__} is not an nn.Module"
@@ -194,10 +271,12 @@ def _settings_reason(sub: torch.nn.Module, where: str) -> str | None:
             )
         if not immutable(value):
             return (
-                f"{where} holds attribute {key!r}, a {type(value).__name__}, a value that can "
-                f"change in place (m.{key}[0] = ...) where a stacked call cannot see it; hold "
-                "it as an immutable value (a number, a tuple, a frozenset) and rebind it to "
-                "change it"
+                f"{where} holds attribute {key!r}, {article(type(value).__name__)}, a value "
+                f"that can change in place (m.{key}[0] = ...) where a stacked call cannot see "
+                "it, and the code a call runs may read it (forward or a method it names, or "
+                "code that hands self on); hold it as an immutable value (a number, a tuple, a "
+                "frozenset) and rebind it to change it, or give the Fanout the layers forward "
+                "runs (the nn.Sequential inside) as members"
             )
     return None
 

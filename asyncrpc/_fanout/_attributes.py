@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ._allowlist import CallHooks, immutable, plain_attributes
+from ._allowlist import CallHooks, article, immutable, plain_attributes, same_setting
 
 __all__ = ["Attributes", "plain_attributes"]
 
@@ -111,8 +111,8 @@ class Attributes:
                     if not immutable(value):
                         where = _where(self._subs[i][0], sub)
                         return (
-                            f"member {i}'s {where}{key} is a {type(value).__name__}, which can "
-                            "change in place unseen; rebind it to an immutable value"
+                            f"member {i}'s {where}{key} is {article(type(value).__name__)}, "
+                            "which can change in place unseen; rebind it to an immutable value"
                         )
         return None
 
@@ -122,22 +122,13 @@ class Attributes:
             for p, sub in enumerate(subs):
                 theirs = plain_attributes(sub)
                 for key in (first[p].keys() | theirs.keys()) - self._ignore:
-                    if not _equal(first[p].get(key, _MISSING), theirs.get(key, _MISSING)):
+                    if not same_setting(first[p].get(key, _MISSING), theirs.get(key, _MISSING)):
                         where = _where(self._subs[0][0], self._subs[0][p])
                         return f"member {i}'s {where}{key} differs from member 0's"
         return None
 
 
 _MISSING = object()
-
-
-def _equal(a: object, b: object) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:  # an array's ambiguous truth, say: count it as a difference
-        return False
 
 
 def _where(root: torch.nn.Module, sub: torch.nn.Module) -> str:

@@ -18,15 +18,40 @@ from typing import Any
 
 import torch
 
-from ._allowlist import plain_attributes
+from ._allowlist import plain_attributes, same_setting
 
-__all__ = ["Calls", "deterministic", "difference", "first_line", "leaves", "replay"]
+__all__ = [
+    "Calls",
+    "detached_copy",
+    "deterministic",
+    "difference",
+    "first_line",
+    "leaves",
+    "replay",
+]
 
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
 RANDOM_REASON = (
     "their forward draws random numbers in eval mode too, so the stacked call cannot "
     "be checked against the members; engine='threads' runs them"
 )
+
+
+def detached_copy(calls: Calls) -> Calls:
+    """A deep copy of `calls` whose tensors are new leaves: values and `requires_grad` alone.
+
+    The check compares what the members compute, which does not depend on how an
+    input was computed; a non-leaf input (the actor update's `cat([s, actor(s)])`)
+    cannot be deep-copied with its autograd history, and need not be.
+    """
+    memo: dict[int, Any] = {}
+    with torch.no_grad():
+        for tensor in leaves(calls):
+            copied = tensor.detach().clone()
+            if tensor.requires_grad:
+                copied.requires_grad_(True)
+            memo[id(tensor)] = copied
+    return copy.deepcopy(calls, memo)
 
 
 def deterministic(member: torch.nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
@@ -72,20 +97,13 @@ def _state_difference(ours: torch.nn.Module, theirs: torch.nn.Module) -> str | N
     for (name, sub), other_sub in zip(ours.named_modules(), theirs.modules(), strict=True):
         mine, yours = plain_attributes(sub), plain_attributes(other_sub)
         for key in mine.keys() | yours.keys():
-            if not _same(mine.get(key), yours.get(key)):
+            if not same_setting(mine.get(key), yours.get(key)):
                 where = f"{name}.{key}" if name else key
                 return (
                     f"attribute {where} differs from what its own forward leaves (a stacked "
                     f"call runs the forward once for all members)"
                 )
     return None
-
-
-def _same(a: object, b: object) -> bool:
-    try:
-        return a is b or bool(a == b)
-    except Exception:
-        return False
 
 
 def difference(stacked: list[Any], serial: list[Any]) -> str | None:

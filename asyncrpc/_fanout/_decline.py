@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from .._core import _torch
-from ._allowlist import plain_attributes, unprovable
+from ._allowlist import article, plain_attributes, same_setting, unprovable
+
+_MISSING = object()
 
 __all__ = ["RNN_REASON", "Declined", "chain_of", "decline"]
 
@@ -38,7 +40,7 @@ _ELEMENTWISE = (
     torch.nn.Identity,
 )
 RNN_REASON = (
-    "holds an {name}: torch.func.vmap has no batching rule for torch's fused RNN "
+    "holds {name}: torch.func.vmap has no batching rule for torch's fused RNN "
     "kernels, and 4 BiLSTMs (T=50, B=8, C=256) written as one stacked-GEMM LSTM ran "
     "2x slower than one by one on a 2-core CPU (51 vs 26 ms, 2026-11-23): oneDNN's "
     "fused LSTM beats batched GEMMs plus per-step element-wise ops; threads and fork "
@@ -71,7 +73,7 @@ def _check(members: Sequence[Any]) -> None:
     seen: dict[int, int] = {}
     for i, member in enumerate(members):
         if not isinstance(member, torch.nn.Module):
-            raise Declined(f"member {i} is a {type(member).__name__}, not an nn.Module")
+            raise Declined(f"member {i} is {article(type(member).__name__)}, not an nn.Module")
         if isinstance(member, torch.jit.ScriptModule):
             raise Declined(f"member {i} is a TorchScript module (engine='fork' runs those)")
         if id(member) in seen:
@@ -80,18 +82,17 @@ def _check(members: Sequence[Any]) -> None:
                 "once, where one by one it runs twice"
             )
         seen[id(member)] = i
-        if any(_torch.is_parametrized(sub) for sub in member.modules()):
-            raise Declined(
-                f"member {i} uses torch.nn.utils.parametrize (weight_norm, spectral_norm, ...), "
-                "whose tensors are computed in forward, so there are none to stack"
-            )
+        for name, sub in member.named_modules():
+            if _torch.is_parametrized(sub):
+                raise Declined(_parametrized(i, name))
         if type(member) is not type(first):
             raise Declined(
-                f"member {i} is a {type(member).__name__}, member 0 a {type(first).__name__}"
+                f"member {i} is {article(type(member).__name__)}, "
+                f"member 0 {article(type(first).__name__)}"
             )
     for sub in first.modules():
         if isinstance(sub, torch.nn.RNNBase):
-            raise Declined("member 0 " + RNN_REASON.format(name=type(sub).__name__))
+            raise Declined("member 0 " + RNN_REASON.format(name=article(type(sub).__name__)))
     for i, member in enumerate(members):
         for name, sub in member.named_modules():
             reason = unprovable(sub, f"member {i}'s " + (f"layer {name!r}" if name else "module"))
@@ -103,6 +104,18 @@ def _check(members: Sequence[Any]) -> None:
         _check_same(first, member, i)
 
 
+def _parametrized(i: int, name: str) -> str:
+    where = f"layer {name!r}" if name else "module"
+    return (
+        f"member {i}'s {where} is parametrized (torch.nn.utils.parametrizations: weight_norm, "
+        "spectral_norm, ...): each call computes its weight from parametrizations.<name>."
+        "original0/original1, and the vmap engine stacks only layers it knows, which do "
+        "not include parametrized ones; engine='threads' runs them (for inference, "
+        "torch.nn.utils.parametrize.remove_parametrizations turns the weight into a plain "
+        "parameter, which stacks)"
+    )
+
+
 def _check_same(first: torch.nn.Module, member: torch.nn.Module, i: int) -> None:
     ours = dict(first.named_modules(remove_duplicate=False))
     theirs = dict(member.named_modules(remove_duplicate=False))
@@ -111,7 +124,7 @@ def _check_same(first: torch.nn.Module, member: torch.nn.Module, i: int) -> None
     for name, sub in ours.items():
         other = theirs[name]
         if type(sub) is not type(other):
-            raise Declined(f"member {i}'s layer {name!r} is a {type(other).__name__}")
+            raise Declined(f"member {i}'s layer {name!r} is {article(type(other).__name__)}")
         for ours_table, theirs_table in zip(
             _torch.tensor_tables(sub), _torch.tensor_tables(other), strict=True
         ):
@@ -141,21 +154,24 @@ def _check_settings(sub: torch.nn.Module, other: torch.nn.Module, where: str, i:
     for key, value in plain_attributes(sub).items():
         if key == "training":
             continue
-        try:
-            equal = bool(value == vars(other).get(key, object()))
-        except Exception:
-            equal = False
-        if not equal:
+        if not same_setting(value, vars(other).get(key, _MISSING)):
             raise Declined(f"member {i}'s {where or 'module'}.{key} differs from member 0's")
 
 
 def chain_of(member: torch.nn.Module) -> list[torch.nn.Module] | None:
-    """The layers of a Linear/element-wise nn.Sequential, or None for anything else."""
+    """The layers of an nn.Sequential of Linear, LayerNorm (over the last dimension) and
+    element-wise layers, or None for anything else."""
     if type(member) is not torch.nn.Sequential:
         return None
     layers = list(member)
     if not any(isinstance(layer, torch.nn.Linear) for layer in layers):
         return None
-    if all(type(layer) is torch.nn.Linear or type(layer) in _ELEMENTWISE for layer in layers):
+    if all(_in_chain(layer) for layer in layers):
         return layers
     return None
+
+
+def _in_chain(layer: torch.nn.Module) -> bool:
+    if type(layer) is torch.nn.LayerNorm:  # over the features: stacked affine after
+        return len(layer.normalized_shape) == 1
+    return type(layer) is torch.nn.Linear or type(layer) in _ELEMENTWISE

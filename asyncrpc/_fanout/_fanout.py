@@ -38,6 +38,7 @@ from . import _exit
 from ._copies import copied_members, rows_of
 from ._decline import Declined, decline
 from ._forked import run_forked, script_driver
+from ._grads import StackedGrads
 from ._options import check_members, check_names, check_threads
 from ._pool import Pool
 from ._randomness import RandomGuard, Watch
@@ -102,6 +103,7 @@ class Fanout:
         if not scripted and engine == "auto":  # engine="fork" scripts them instead
             self.declined["fork"] = "the members are not all TorchScript modules"
         self._stacked: Stacked | None = None
+        self._kept: Stacked | None = None  # declined, its stacks still stepped (_grads)
         if engine in ("auto", "vmap"):
             self._stacked = self._stack_members(engine)
         plans = candidate_plans(
@@ -148,6 +150,34 @@ class Fanout:
         """The candidate plans: one for a fixed engine, several for ``"auto"``."""
         return self._tuner.plans
 
+    def parameters(self) -> list[torch.Tensor]:
+        """The stacks the members' parameters are rows of, for one optimizer over all members.
+
+        Engine ``"vmap"`` only. Gradients then reach each stack in one piece
+        (`stack.grad`), and each member's `.grad` is a view of its row of it, on
+        calls stacked or member by member; an optimizer over the stacks steps
+        every member at once (one foreach or fused kernel per name, not one per
+        member). Zero gradients through that optimizer. Valid until `close`.
+        Example::
+
+            fan = asyncrpc.Fanout(critics, engine="vmap")
+            opt = torch.optim.Adam(fan.parameters(), lr=3e-4)
+            loss = torch.stack(fan(x)).sub(y).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()   # every critic stepped
+        """
+        stacked = self._stacked
+        storage = stacked.storage if stacked is not None else None
+        if self.engine != "vmap" or storage is None:
+            why = self.declined.get("vmap", "it is closed") if self.engine == "vmap" else ""
+            raise RuntimeError(
+                "Fanout.parameters() needs engine='vmap' over members it stacks, got "
+                f"engine={self.engine!r}"
+                + (f" (declined: {why})" if why else "")
+                + "; step the members' own parameters instead: "
+                "[p for m in members for p in m.parameters()]"
+            )
+        return list(storage.stacked_gradients().stacks.values())
+
     def timings(self) -> dict[FanoutPlan, tuple[float, ...]]:
         """Seconds of the timed calls of each candidate plan (``"auto"``'s evidence)."""
         return self._tuner.timings()
@@ -193,8 +223,11 @@ class Fanout:
         self._release_stacks()
 
     def _release_stacks(self) -> None:
-        stacked = self._stacked
+        stacked = self._stacked or self._kept
+        self._kept = None
         if stacked is not None:
+            if stacked.storage is not None and stacked.storage.users <= 1:
+                stacked.storage.grads = None  # closed on purpose: nothing to warn of
             stacked.release()
 
     def __enter__(self) -> Fanout:
@@ -312,18 +345,48 @@ class Fanout:
         futs = [pool.submit(partial(_call, m, n, a, k)) for m, n, (a, k) in self._triples(calls)]
         return _futures.gather(futs)
 
+    def _stacked_grads(self) -> StackedGrads | None:
+        """The stacks `parameters()` handed out, while the members are their rows."""
+        stacked = self._stacked or self._kept
+        storage = stacked.storage if stacked is not None else None
+        return storage.grads if storage is not None else None
+
     def _serial(self, calls: _Calls) -> list[Any]:
+        grads = self._stacked_grads()
+        if grads is not None and torch.is_grad_enabled():
+            return self._serial_on_rows(grads, calls)
         return [_call(m, n, a, k) for m, n, (a, k) in self._triples(calls)]
+
+    def _serial_on_rows(self, grads: StackedGrads, calls: _Calls) -> list[Any]:
+        """Member by member on their rows of the stacks: gradients reach stack.grad whole.
+
+        A member's parameter with a tensor hook runs as itself, so the hook runs;
+        its gradient then reaches its own .grad, a view of stack.grad where one exists.
+        """
+        if any(_torch.tensor_hooks(p) for m in self.members for p in m.parameters()):  # type: ignore[attr-defined]
+            grads.point(create=True)
+            return [_call(m, n, a, k) for m, n, (a, k) in self._triples(calls)]
+        rows = grads.rows()
+        return [
+            _call(partial(_on_rows, m, rows[i]), n, a, k)
+            for i, (m, n, (a, k)) in enumerate(self._triples(calls))
+        ]
 
     def _vmap(self, plan: FanoutPlan, calls: _Calls) -> list[Any]:
         stacked = self._stacked
         if stacked is None:  # declined by an earlier call
             return self._serial(calls)
+        grads = self._stacked_grads()
+        if grads is not None and torch.is_grad_enabled():
+            grads.point(create=False)
         try:
             with _span(f"vmap of {len(self.members)} members"):
                 return stacked.run(calls, lambda: self._serial(calls))
         except Declined as declined:
-            stacked.release()
+            if grads is None:
+                stacked.release()
+            else:  # the members stay rows of the stacks an optimizer steps: calls run
+                self._kept = stacked  # member by member, their gradients in stack.grad
             self._stacked = None
             self._decline(str(declined), self.engine == "vmap")
             self._tuner.drop(plan, FanoutPlan("serial", 1, self.budget))
@@ -392,6 +455,10 @@ def _call(member: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
     except Exception as error:
         error.add_note(f"raised by {name}")
         raise
+
+
+def _on_rows(member: Any, rows: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+    return torch.func.functional_call(member, rows, args, kwargs)
 
 
 def _succeeded(done: Future[Any]) -> bool:

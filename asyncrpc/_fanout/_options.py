@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +25,20 @@ def check_members(members: object) -> tuple[Callable[..., Any], ...]:
                 f"member {i} is a {type(member).__name__}, not a callable; pass the function "
                 "or module itself, not the result of calling it"
             )
+        if isinstance(member, torch.nn.Module) and _no_forward(member):
+            kind = type(member).__name__
+            raise TypeError(
+                f"member {i} ({kind}) has no forward, so calling it raises; define "
+                f"forward(self, ...) on {kind}, or pass the module that has one"
+            )
     return tuple(members)
+
+
+def _no_forward(member: torch.nn.Module) -> bool:
+    # torch.compile's OptimizedModule sets its forward on the instance
+    # (looked up statically: a ScriptModule's forward is a descriptor that may raise)
+    found = inspect.getattr_static(type(member), "forward", None)
+    return found is torch.nn.Module.forward and "forward" not in vars(member)
 
 
 def check_names(names: object, members: Sequence[Callable[..., Any]]) -> tuple[str, ...]:

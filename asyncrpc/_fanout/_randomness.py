@@ -24,6 +24,8 @@ business.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +35,9 @@ import torch
 from ._tuner import FanoutPlan
 
 __all__ = ["RandomGuard", "Watch"]
+
+
+_training = operator.attrgetter("training")
 
 
 def _states() -> list[torch.Tensor]:
@@ -68,6 +73,9 @@ class RandomGuard:
 
     def __init__(self, members: Sequence[Callable[..., Any]], names: Sequence[str]) -> None:
         self._modules = [m for m in members if isinstance(m, torch.nn.Module)]
+        self._subs: list[torch.nn.Module] = []
+        self._tables: list[dict[str, Any]] = []  # each submodule's child table
+        self._shape: list[Any] = [None]  # the children the tables held when last read
         self._names = tuple(names)
         self._quiet: set[tuple[bool, ...]] = set()  # modes whose probe drew nothing
         self._lock = threading.Lock()
@@ -76,10 +84,20 @@ class RandomGuard:
 
     def start(self) -> Watch:
         """Before a call: a probe (run it serially) unless calls in these modes drew nothing."""
-        key = tuple(sub.training for m in self._modules for sub in m.modules())
+        key = tuple(map(_training, self._submodules()))
         with self._lock:
             probe = key not in self._quiet
         return Watch(key, probe)
+
+    def _submodules(self) -> list[torch.nn.Module]:
+        """Every member's submodules, walked again only when a child table changed
+        (walking them is tens of microseconds a call; reading the tables a few)."""
+        shape = list(itertools.chain.from_iterable(map(dict.values, self._tables)))
+        if shape != self._shape:
+            self._subs = [sub for m in self._modules for sub in m.modules()]
+            self._tables = [vars(sub)["_modules"] for sub in self._subs]
+            self._shape = list(itertools.chain.from_iterable(map(dict.values, self._tables)))
+        return self._subs
 
     def finish(self, watch: Watch, ok: bool, plan: FanoutPlan) -> tuple[str, bool] | None:
         """After a call on `plan`: (why every later call must run serially, warn?) if it drew.

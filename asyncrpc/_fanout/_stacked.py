@@ -14,7 +14,7 @@ members, small batches, few cores)::
                  rows of the stacks (_storage)
     every call ── attributes alike? (_attributes)    no: one by one
                   tensors where the stacks hold them? (_storage: re-pointed)
-        ├─ nn.Sequential of Linear and element-wise layers:
+        ├─ nn.Sequential of Linear, LayerNorm and element-wise layers:
         │    one torch.baddbmm per Linear over every member at once
         └─ any other module: torch.func.vmap(functional_call) over the stacks
       outputs, split along the member axis, in member order
@@ -42,7 +42,15 @@ import torch
 
 from .._core import _torch
 from ._attributes import Attributes
-from ._check import RANDOM_REASON, Calls, deterministic, first_line, leaves, replay
+from ._check import (
+    RANDOM_REASON,
+    Calls,
+    detached_copy,
+    deterministic,
+    first_line,
+    leaves,
+    replay,
+)
 from ._decline import Declined, chain_of, decline
 from ._storage import InSharedMemory, Storage, Unstackable, storage_for
 
@@ -133,7 +141,6 @@ class Stacked:
                 return self.run(calls, serial)
             try:
                 copies = [copy.deepcopy(list(self.members)) for _ in range(2)]
-                inputs = [copy.deepcopy(calls) for _ in range(2)]
             except Exception as error:
                 results = serial()
                 raise Declined(
@@ -141,6 +148,12 @@ class Stacked:
                     f"({first_line(error)})",
                     results,
                 ) from error
+            try:
+                inputs = [detached_copy(calls) for _ in range(2)]
+            except Exception:
+                # This call's arguments are the user's business, not the members': the
+                # next call with arguments that copy is checked instead.
+                return serial()
             results = serial()  # the call itself: the members' own state moves once
             reason = self._check(copies, inputs)
             if reason is None and self.storage is None:
@@ -196,6 +209,8 @@ class Stacked:
     def _params(self, storage: Storage, held: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The parameters the call reads: the stacks, through `_Rows` where gradients flow."""
         params = {name: storage.stacks[name] for name in storage.param_names}
+        if storage.grads is not None:
+            return params  # leaves that need gradients: backward fills stack.grad in one piece
         if torch.is_grad_enabled():
             for name in storage.param_names:
                 group = storage.group(held, name)
@@ -222,6 +237,11 @@ class Stacked:
         assert self.layers is not None
         h = x if each else x.expand(self.count, *x.shape)
         for index, layer in enumerate(self.layers):
+            if type(layer) is torch.nn.LayerNorm:
+                h = _layer_norm(
+                    layer, h, params.get(f"{index}.weight"), params.get(f"{index}.bias")
+                )
+                continue
             if type(layer) is not torch.nn.Linear:
                 h = layer(h)  # member 0's: every member's is alike (_attributes)
                 continue
@@ -248,6 +268,22 @@ class Stacked:
 
         vmapped = torch.func.vmap(one, in_dims=(0, 0, *dims), randomness="different")
         return _split(vmapped(params, buffers, *args), self.count)
+
+
+def _layer_norm(
+    layer: torch.nn.LayerNorm,
+    h: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Member 0's LayerNorm (settings alike) over (members, batch, features), each
+    member's own affine: weight and bias stacks are (members, features)."""
+    h = torch.nn.functional.layer_norm(h, layer.normalized_shape, None, None, layer.eps)
+    if weight is not None and bias is not None:
+        return torch.addcmul(bias.unsqueeze(1), h, weight.unsqueeze(1))
+    if weight is not None:
+        return h * weight.unsqueeze(1)
+    return h
 
 
 class _Rows(torch.autograd.Function):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import operator
 import threading
 import weakref
@@ -53,6 +54,9 @@ from typing import Any
 import torch
 
 from .._core import _torch
+from ._grads import StackedGrads
+
+_logger = logging.getLogger("asyncrpc")
 
 __all__ = ["InSharedMemory", "Storage", "Unstackable", "storage_for"]
 
@@ -118,6 +122,7 @@ class Storage:
         self._unlinked: set[int] = set()  # rows in memory, not yet in version
         self._in_shm: set[int] = set()  # in shared memory: left where they are
         self._lock = threading.Lock()
+        self.grads: StackedGrads | None = None  # the stacks handed to an optimizer (_grads)
         # A module-level hook: a member stays picklable and copyable.
         self._hooks = [
             sub.register_state_dict_post_hook(_mark_entries)  # type: ignore[no-untyped-call]
@@ -204,6 +209,21 @@ class Storage:
         k = self.names.index(name)
         return held[k * self.count : (k + 1) * self.count]
 
+    def members_of(self, name: str) -> list[torch.Tensor]:
+        """What the members hold of `name` now, in member order."""
+        k = self.names.index(name)
+        return list(map(operator.getitem, self._tables[k * self.count : (k + 1) * self.count],
+                        self._keys[k * self.count : (k + 1) * self.count]))  # fmt: skip
+
+    def stacked_gradients(self) -> StackedGrads:
+        """The parameter stacks as leaves that need gradients, for one optimizer (_grads)."""
+        with self._lock:
+            if self.grads is None:
+                stacks = {name: self.stacks[name] for name in self.param_names}
+                self.grads = StackedGrads(stacks, self.members_of)
+                self.grads.adopt()  # gradients the members hold now: the stacks' from here on
+            return self.grads
+
     def leave(self) -> None:
         """One engine stops using this Storage; the last one releases it."""
         with self._lock:
@@ -228,6 +248,9 @@ class Storage:
                 own = row.clone()
                 if not _torch.share_version(tensor, own):
                     tensor.data = own  # a live graph holds it: the memory alone
+            if self.grads is not None:
+                _orphaned("the members were given memory of their own again")
+                self.grads = None
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
@@ -271,7 +294,12 @@ class Storage:
         group = held[k * self.count : (k + 1) * self.count]
         if len({(t.shape, t.dtype, t.device) for t in group}) != 1:
             raise Unstackable(f"the members' {self.names[k]} differ in shape, dtype or device")
-        stack = self.stacks[self.names[k]] = torch.stack([t.detach() for t in group])
+        name = self.names[k]
+        if self.grads is not None and name in self.grads.stacks:
+            _orphaned(f"the members' {name} changed shape, dtype or device")
+        stack = self.stacks[name] = torch.stack([t.detach() for t in group])
+        if self.grads is not None and name in self.grads.stacks:
+            self.grads.replace(name, stack)
         for i, tensor in enumerate(group):
             j = k * self.count + i
             self._rows[j] = stack[i]  # one view each (unbind's views refuse in-place writes)
@@ -314,6 +342,15 @@ class Storage:
     def _linked(self, j: int, tensor: torch.Tensor) -> None:
         self._unlinked.discard(j)
         self._links[j] = self._link_of(j, tensor)
+
+
+def _orphaned(why: str) -> None:
+    _logger.warning(
+        "Fanout: %s, so the stacks Fanout.parameters() handed out no longer hold the members' "
+        "tensors: an optimizer over them no longer trains the members; call "
+        "fan.parameters() again and make a new optimizer",
+        why,
+    )
 
 
 _live: weakref.WeakSet[Storage] = weakref.WeakSet()  # the stacks state dicts are checked against

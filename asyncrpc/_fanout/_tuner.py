@@ -13,14 +13,22 @@ Lanes of one intra-op thread beat serial by at most ``budget / S``, where S is
 how much faster one member runs on the whole budget than on one thread (the
 members' own intra-op scaling). Where torch's kernels scale well (big GEMMs,
 S close to the budget) serial wins; where they scale badly (small batches,
-pointwise ops, the Python layer) lanes win. So ``engine="auto"`` measures:
+pointwise ops, the Python layer) lanes win. So ``engine="auto"`` measures, in blocks of calls:
 
-    call 1..n ─> the plan whose turn it is ─> time it (only calls that ran
-                 alone count; the first call of each plan warms up; each
-                 plan gets 3 timed calls, more for short calls: up to 0.3 s
-                 or 30 calls; callers that always overlap end it after 30
-                 calls per plan)
-    then      ─> the plan with the lowest median, for every later call
+    block  ─> 3 calls in a row on the plan whose turn it is (fewest blocks
+              timed, so plans alternate block by block); the first call of
+              a block is not timed: it bears what the plan before left
+              behind (its threads still spinning, caches), and the first
+              block of a plan also warms it up (pools, the first vmap call's
+              check); the block's sample is the quicker of its other two
+              calls (a call that overlapped another is not counted)
+    enough ─> every plan has 3 blocks and 0.3 s of samples, or 10 blocks;
+              or the trials took 3 s and every plan has 2 blocks; or
+              30 calls per plan started (callers that always overlap)
+    then   ─> the plan with the lowest median sample, for every later call
+
+So "auto" settles within 30 calls per plan (120 for four plans), and within
+about 3 s of trials unless a single block takes longer.
 """
 
 from __future__ import annotations
@@ -63,61 +71,85 @@ class FanoutPlan:
 
 
 class Ticket:
-    """One timed trial call: its plan, start time, and whether it began alone."""
+    """One trial call: its plan, start time, and whether it is timed and began alone."""
 
-    __slots__ = ("alone", "number", "plan", "start")
+    __slots__ = ("alone", "number", "plan", "start", "timed")
 
-    def __init__(self, plan: FanoutPlan, number: int, alone: bool) -> None:
-        self.plan, self.number, self.alone = plan, number, alone
+    def __init__(self, plan: FanoutPlan, number: int, alone: bool, timed: bool) -> None:
+        self.plan, self.number, self.alone, self.timed = plan, number, alone, timed
         self.start = time.perf_counter()
 
 
 class Tuner:
-    """Times each candidate plan on real calls, round by round, then keeps the fastest."""
+    """Times each candidate plan on real calls, block by block, then keeps the fastest."""
+
+    BLOCK = 3  # calls per block; the first is not timed
+    BUDGET = 3.0  # seconds of trials after which 2 blocks a plan are enough
 
     def __init__(
-        self, plans: Sequence[FanoutPlan], rounds: int = 3, seconds: float = 0.3, most: int = 30
+        self, plans: Sequence[FanoutPlan], rounds: int = 3, seconds: float = 0.3, most: int = 10
     ) -> None:
         self.plans = tuple(plans)
         self.rounds, self.seconds, self.most = rounds, seconds, most
         self.chosen: FanoutPlan | None = self.plans[0] if len(self.plans) == 1 else None
         self._samples: dict[FanoutPlan, list[float]] = {plan: [] for plan in self.plans}
-        self._warm: set[FanoutPlan] = set()
+        self._block: tuple[FanoutPlan, int, list[float]] | None = None  # plan, calls left, times
         self._lock = threading.Lock()
         self._started = 0
         self._active = 0
+        self._trials = 0.0  # seconds of trial calls so far
 
     def begin(self, prefer: FanoutPlan | None = None) -> tuple[FanoutPlan, Ticket | None]:
         """The plan for the next call, and a ticket while plans are still being timed.
 
-        `prefer` runs this call on that plan (timed, if it is a candidate).
+        `prefer` runs this call on that plan, untimed (a call that must run serially).
         """
         with self._lock:
             if self.chosen is not None or (prefer is not None and prefer not in self.plans):
                 plan = prefer or self.chosen
                 assert plan is not None
                 return plan, None
-            plan = prefer or min(self.plans, key=self._turns)
             self._started += 1
-            ticket = Ticket(plan, self._started, alone=self._active == 0)
+            alone = self._active == 0
             self._active += 1
-            return plan, ticket
+            if prefer is not None:
+                return prefer, Ticket(prefer, self._started, alone, timed=False)
+            if self._block is None or self._block[1] == 0:
+                short = [p for p in self.plans if not self._enough(self._samples[p])]
+                plan = min(short or self.plans, key=self._turns)
+                self._block = (plan, self.BLOCK, [])
+                timed = False  # the block's first call
+            else:
+                plan, timed = self._block[0], True
+            self._block = (plan, self._block[1] - 1, self._block[2])
+            return plan, Ticket(plan, self._started, alone, timed)
 
     def end(self, ticket: Ticket, ok: bool) -> None:
-        """Record a trial call that finished; decide once every plan has its rounds."""
+        """Record a trial call that finished; decide once every plan has its blocks."""
         seconds = time.perf_counter() - ticket.start
         with self._lock:
             self._active -= 1
-            if self.chosen is not None or not ok:
+            self._trials += seconds
+            if self.chosen is not None:
                 return
-            if ticket.plan not in self._warm:
-                self._warm.add(ticket.plan)  # first call: pools, caches, allocator
-            elif ticket.alone and self._started == ticket.number:
-                self._samples[ticket.plan].append(seconds)
-            if all(self._enough(samples) for samples in self._samples.values()):
-                self._choose()
-            elif self._started >= self.most * len(self.plans):
-                self._choose()  # calls keep overlapping: settle on what was timed
+            block = self._block
+            if block is not None and block[0] == ticket.plan:
+                if ok and ticket.timed and ticket.alone and self._started == ticket.number:
+                    block[2].append(seconds)
+                if block[1] == 0 and self._active == 0:
+                    if block[2]:
+                        self._samples[ticket.plan].append(min(block[2]))
+                    self._block = None
+            self._decide()
+
+    def _decide(self) -> None:
+        blocks = [len(samples) for samples in self._samples.values()]
+        if all(self._enough(samples) for samples in self._samples.values()):
+            self._choose()
+        elif self._trials >= self.BUDGET and min(blocks) >= 2:
+            self._choose()  # slow calls: settle on what the trials so far show
+        elif self._started >= self.most * self.BLOCK * len(self.plans):
+            self._choose()  # calls keep overlapping: settle on what was timed
 
     def _choose(self) -> None:
         timed = [plan for plan in self.plans if self._samples[plan]]
@@ -132,7 +164,8 @@ class Tuner:
         with self._lock:
             self.plans = tuple(p for p in self.plans if p != plan) or (instead,)
             self._samples.pop(plan, None)
-            self._warm.discard(plan)
+            if self._block is not None and self._block[0] == plan:
+                self._block = None
             for left in self.plans:
                 self._samples.setdefault(left, [])
             if len(self.plans) == 1:
@@ -147,7 +180,7 @@ class Tuner:
             self._samples.setdefault(plan, [])
 
     def timings(self) -> dict[FanoutPlan, tuple[float, ...]]:
-        """Seconds of each plan's timed calls so far."""
+        """Each plan's samples so far: seconds of the quicker timed call of each block."""
         with self._lock:
             return {plan: tuple(samples) for plan, samples in self._samples.items()}
 
@@ -158,13 +191,12 @@ class Tuner:
         return sum(samples) >= self.seconds or len(samples) >= self.most
 
     def _turns(self, plan: FanoutPlan) -> tuple[int, int]:
-        # Fewest timed calls first, so plans alternate call by call.
-        done = len(self._samples[plan]) + (plan in self._warm)
-        return done, self.plans.index(plan)
+        # Fewest blocks first, so plans alternate block by block.
+        return len(self._samples[plan]), self.plans.index(plan)
 
     def _describe(self) -> str:
         return ", ".join(
-            f"{plan} {statistics.median(samples) * 1e3:.1f} ms"
+            f"{plan} {statistics.median(samples) * 1e3:.2f} ms"
             for plan, samples in self._samples.items()
             if samples
         )
