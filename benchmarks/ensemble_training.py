@@ -23,7 +23,8 @@ at batch 32 and 256; then forward-only acting (batch 1, no gradients): the
 loop, the engine and the floor. Ratios are the loop's median over each way's
 (above 1: faster than the loop) and each engine way over the floor.
 
-    python benchmarks/ensemble_training.py [--rounds 7] [--batches 32 256] [--json PATH]
+    python benchmarks/ensemble_training.py [--rounds 7] [--batches 32 256] [--device cuda]
+                                           [--json PATH]
 """
 
 from __future__ import annotations
@@ -133,8 +134,22 @@ def _floor(critics: list[torch.nn.Module], pi: torch.nn.Module) -> Way:
 
 def batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    s, a = torch.randn(size, OBS, generator=g), torch.randn(size, ACT, generator=g)
-    return s, a, torch.randn(size, 1, generator=g)
+    s, a, y = (torch.randn(size, n, generator=g, device="cpu") for n in (OBS, ACT, 1))
+    device = torch.get_default_device()
+    return s.to(device), a.to(device), y.to(device)
+
+
+def _synced(way: Callable[[], object]) -> Callable[[], object]:
+    """`way`, waiting for the GPU's work to end where the default device is one."""
+    if torch.get_default_device().type != "cuda":
+        return way
+
+    def call() -> object:
+        out = way()
+        torch.cuda.synchronize()
+        return out
+
+    return call
 
 
 ROUNDS: dict[str, list[float]] = {}  # the last `medians` call's samples, round by round
@@ -142,6 +157,7 @@ ROUNDS: dict[str, list[float]] = {}  # the last `medians` call's samples, round 
 
 def medians(ways: dict[str, Callable[[], object]], rounds: int, sample: float) -> dict[str, float]:
     """Median seconds per call of each way: rounds alternate the order (forward, backward)."""
+    ways = {name: _synced(way) for name, way in ways.items()}
     for way in ways.values():
         way()
     repeat = {name: timing.repeats(way, sample) for name, way in ways.items()}
@@ -290,14 +306,17 @@ def main() -> None:
     parser.add_argument("--sample", type=float, default=0.3, help="seconds per timed sample")
     parser.add_argument("--agree-steps", type=int, nargs="+", default=[40, 200])
     parser.add_argument("--auto-batches", type=int, nargs="+", default=[1, 256])
+    parser.add_argument("--device", default="cpu", help="where the modules and data live")
     parser.add_argument("--json", help="also write every figure printed here")
     args = parser.parse_args()
+    torch.set_default_device(args.device)
     threads = torch.get_num_threads()
-    print(f"{CRITICS} critics, obs {OBS} + act {ACT}, hidden {HIDDEN}; "
+    print(f"{CRITICS} critics, obs {OBS} + act {ACT}, hidden {HIDDEN}; {args.device}; "
           f"{threads} intra-op threads; torch {torch.__version__}")  # fmt: skip
     options = {k: v for k, v in vars(args).items() if k != "json"}
     record: dict[str, Any] = {"benchmark": "ensemble_training", "options": options}
     record |= {"critics": CRITICS, "hidden": HIDDEN, "intra_op_threads": threads}
+    record["device"] = args.device
     record["steps"] = {}
     for size in args.batches:
         ways = make_ways()
