@@ -242,7 +242,7 @@ class Storage:
             # .get: a slot may be gone (a parametrization registered since moved it)
             for j, tensor in enumerate(map(dict.get, self._tables, self._keys)):
                 row = self._rows[j]
-                if tensor is None or _data_ptr(tensor) != _data_ptr(row) or row.is_shared():  # type: ignore[no-untyped-call]
+                if tensor is None or _data_ptr(tensor) != _data_ptr(row) or _in_shm(row):
                     continue
                 _Alone.unmark(tensor)
                 own = row.clone()
@@ -317,7 +317,7 @@ class Storage:
         for table in (self._foreign, self._unlinked, self._in_shm):
             table.discard(j)
         ours = self.owns(tensor)
-        if tensor.is_shared() and not ours:  # type: ignore[no-untyped-call]
+        if _in_shm(tensor) and not ours:
             self._in_shm.add(j)
         elif tensor.is_inference() or (_torch.storage_shared(tensor) and not ours):
             self._foreign.add(j)
@@ -342,6 +342,11 @@ class Storage:
     def _linked(self, j: int, tensor: torch.Tensor) -> None:
         self._unlinked.discard(j)
         self._links[j] = self._link_of(j, tensor)
+
+
+def _in_shm(tensor: torch.Tensor) -> bool:
+    """True for a CPU tensor in shared memory (`is_shared()` is always True on CUDA)."""
+    return tensor.device.type == "cpu" and bool(tensor.is_shared())  # type: ignore[no-untyped-call]
 
 
 def _orphaned(why: str) -> None:
