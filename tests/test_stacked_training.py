@@ -290,3 +290,16 @@ def test_auto_settles_within_the_bound_the_docs_state() -> None:
     timings = fan.timings()
     assert all(len(samples) >= 2 for samples in timings.values()), timings
     assert fan.plan in timings
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_members_are_stacked_and_trained_as_a_loop() -> None:
+    # `is_shared()` is always True for CUDA tensors: they are not in shared memory.
+    torch.manual_seed(5)
+    with torch.device("cuda"):
+        members = [critic() for _ in range(3)]
+    loop = copy.deepcopy(members)
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    assert fan.declined == {}
+    with torch.device("cuda"):
+        _train(fan, members, loop, 6)

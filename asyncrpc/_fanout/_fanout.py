@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -237,7 +238,10 @@ class Fanout:
         self.close()
 
     def __del__(self) -> None:
-        if hasattr(self, "_pools"):  # absent when __init__ raised
+        # At interpreter exit torch's C state is being torn down: calling into it from
+        # a collector (no_grad, a tensor's .data) crashed the process (SIGSEGV, seen with
+        # CUDA tensors); the memory goes with the process anyway.
+        if hasattr(self, "_pools") and not sys.is_finalizing():  # no _pools: __init__ raised
             self.close()
 
     def __repr__(self) -> str:
@@ -314,6 +318,9 @@ class Fanout:
                 if drew is not None:
                     self._run_serially(*drew)
             if ticket is not None:
+                if ok and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                    # A trial's time is its kernels' too, not only their launch.
+                    torch.cuda.synchronize()
                 self._tuner.end(ticket, ok=ok)
             if (ticket is not None or drew is not None) and self.plan is not None:
                 self._close_pools(keep=self.plan)
