@@ -37,6 +37,14 @@ RANDOM_REASON = (
 )
 
 
+def _cuda_devices() -> list[int]:
+    """The CUDA devices whose generators a check must leave as it found them
+    (`torch.manual_seed` seeds every device's)."""
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return []
+    return list(range(torch.cuda.device_count()))
+
+
 def detached_copy(calls: Calls) -> Calls:
     """A deep copy of `calls` whose tensors are new leaves: values and `requires_grad` alone.
 
@@ -57,7 +65,7 @@ def detached_copy(calls: Calls) -> Calls:
 def deterministic(member: torch.nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
     """True when two copies of `member` give equal outputs under different seeds."""
     outputs = []
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.random.fork_rng(devices=_cuda_devices()), torch.no_grad():
         for seed in (1, 2):
             torch.manual_seed(seed)
             args, kwargs = copy.deepcopy(call)
@@ -72,7 +80,7 @@ def replay(
     own_calls: Calls,
 ) -> str | None:
     """Run `stacked()` and each own copy; why what a caller sees would differ, or None."""
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=_cuda_devices()):
         got = stacked()
         want = [m(*a, **k) for m, (a, k) in zip(own_copies, own_calls, strict=True)]
     found = difference(got, want)
