@@ -303,3 +303,77 @@ def test_cuda_members_are_stacked_and_trained_as_a_loop() -> None:
     assert fan.declined == {}
     with torch.device("cuda"):
         _train(fan, members, loop, 6)
+
+
+def test_a_frozen_parameter_takes_no_gradient_in_its_row() -> None:
+    torch.manual_seed(6)
+    members = [critic() for _ in range(3)]
+    loop = copy.deepcopy(members)
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    stacks = fan.parameters()
+    for m in members + loop:
+        m[0].requires_grad_(False)  # a fixed feature layer
+    members[1][2].requires_grad_(False)  # and one member's head alone
+    loop[1][2].requires_grad_(False)
+    opt = torch.optim.SGD(stacks, lr=0.1)
+    loop_opt = torch.optim.SGD([p for c in loop for p in c.parameters()], lr=0.1)
+    for _ in range(4):
+        x = torch.rand(5, 6)
+        opt.zero_grad()
+        loop_opt.zero_grad()
+        sum(o.sum() for o in fan(x)).backward()
+        sum(c(x).sum() for c in loop).backward()
+        opt.step()
+        loop_opt.step()
+    assert stacks[0].grad is None  # every member's first layer frozen: no gradient at all
+    for ours, theirs in zip(members, loop, strict=True):
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(p, q)
+
+
+def test_new_stacks_after_a_dtype_change_carry_the_members_gradients() -> None:
+    torch.manual_seed(7)
+    members = [critic() for _ in range(2)]
+    loop = copy.deepcopy(members)
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    fan.parameters()
+    x = torch.rand(4, 6)
+    sum(o.sum() for o in fan(x)).backward()
+    sum(c(x).sum() for c in loop).backward()
+    for m in members + loop:
+        m.double()
+    stacks = fan.parameters()  # restacked now, before any call
+    assert all(s.dtype == torch.float64 for s in stacks)
+    opt = torch.optim.SGD(stacks, lr=0.1)
+    loop_opt = torch.optim.SGD([p for c in loop for p in c.parameters()], lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        loop_opt.zero_grad()
+        sum(o.sum() for o in fan(x.double())).backward()
+        sum(c(x.double()).sum() for c in loop).backward()
+        opt.step()
+        loop_opt.step()
+    for ours, theirs in zip(members, loop, strict=True):
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(p, q)
+
+
+def test_what_parameters_cannot_do_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    members = [torch.nn.Linear(3, 1) for _ in range(2)]
+    fan = asyncrpc.Fanout(members, engine="vmap")
+    fan.parameters()
+    x = torch.ones(1, 3)
+    sum(o.sum() for o in fan(x)).backward()  # a gradient in the stacks
+    out = fan(x)
+    for m in members:
+        m.zero_grad()  # member by member, between the call and its backward
+    sum(o.sum() for o in out).backward()
+    assert "set to None on its own between a call and its backward" in caplog.text
+    handle = members[1].weight.register_hook(lambda grad: grad * 0.5)
+    with pytest.raises(RuntimeError, match="member 1's weight has a tensor hook"):
+        fan(x)
+    handle.remove()
+    out = fan(x)
+    sum(o.pow(2).sum() for o in out).backward(create_graph=True)
+    weight = members[0].weight
+    assert weight.grad is not None and weight.grad.grad_fn is not None  # differentiable

@@ -44,7 +44,7 @@ from ._options import check_members, check_names, check_threads
 from ._pool import Pool
 from ._randomness import RandomGuard, Watch
 from ._stacked import Stacked
-from ._storage import Storage
+from ._storage import Storage, Unstackable
 from ._tuner import Engine, FanoutPlan, Ticket, Tuner, candidate_plans
 
 _ENGINES = ("auto", "vmap", "threads", "fork", "serial")
@@ -177,6 +177,8 @@ class Fanout:
                 + "; step the members' own parameters instead: "
                 "[p for m in members for p in m.parameters()]"
             )
+        with contextlib.suppress(Unstackable):
+            storage.sync()  # members changed since the last call (`.double()`): restack now
         return list(storage.stacked_gradients().stacks.values())
 
     def timings(self) -> dict[FanoutPlan, tuple[float, ...]]:
@@ -367,12 +369,18 @@ class Fanout:
     def _serial_on_rows(self, grads: StackedGrads, calls: _Calls) -> list[Any]:
         """Member by member on their rows of the stacks: gradients reach stack.grad whole.
 
-        A member's parameter with a tensor hook runs as itself, so the hook runs;
-        its gradient then reaches its own .grad, a view of stack.grad where one exists.
+        A tensor hook on a member's parameter could not run (the rows take the
+        gradient): that is an error, not a hook silently skipped.
         """
-        if any(_torch.tensor_hooks(p) for m in self.members for p in m.parameters()):  # type: ignore[attr-defined]
-            grads.point(create=True)
-            return [_call(m, n, a, k) for m, n, (a, k) in self._triples(calls)]
+        for i, member in enumerate(self.members):
+            for name, p in member.named_parameters():  # type: ignore[attr-defined]
+                if _torch.tensor_hooks(p):
+                    raise RuntimeError(
+                        f"member {i}'s {name} has a tensor hook (register_hook or "
+                        "register_post_accumulate_grad_hook), which cannot run while "
+                        "Fanout.parameters() holds the gradients (they reach the stacks, not "
+                        f"{name}); remove the hook, or step the members' own parameters"
+                    )
         rows = grads.rows()
         return [
             _call(partial(_on_rows, m, rows[i]), n, a, k)

@@ -21,6 +21,8 @@ into the row where the row was pointed before, added where the row is new.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +30,8 @@ from typing import Any
 import torch
 
 __all__ = ["StackedGrads"]
+
+_logger = logging.getLogger("asyncrpc")
 
 
 class StackedGrads:
@@ -45,28 +49,38 @@ class StackedGrads:
             self.replace(name, stack)
 
     def replace(self, name: str, stack: torch.Tensor) -> None:
-        """`stack` is the members' `name` now (restacked: another shape or dtype)."""
+        """`stack` is the members' `name` now (restacked: another shape or dtype); the
+        members' gradients (`.double()` converts them) become its `.grad`."""
         self.stacks[name] = stack
         self._pointed[name] = None
         stack.requires_grad_(True)
         stack.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-            lambda done: self._point_one(name, create=False)
+            lambda done: self._point_one(name, create=False, after_backward=True)
         )
+        self._adopt(name)
 
     def adopt(self) -> None:
         """The members' gradients now become their rows of stack.grad (zeros where None)."""
+        for name in self.stacks:
+            self._adopt(name)
+
+    def _adopt(self, name: str) -> None:
         with self._lock, torch.no_grad():
-            for name, stack in self.stacks.items():
-                members = self._group_of(name)
-                if all(p.grad is None for p in members):
-                    continue
-                grad = stack.grad = torch.zeros_like(stack)
-                for i, param in enumerate(members):
-                    if param.grad is not None:
-                        grad[i].copy_(param.grad)
-                    if param.requires_grad:
-                        param.grad = grad[i]
-                self._pointed[name] = grad
+            stack, members = self.stacks[name], self._group_of(name)
+            if all(p.grad is None for p in members):
+                return
+            grad = stack.grad = torch.zeros_like(stack)
+            for row, param in zip(grad.unbind(0), members, strict=True):
+                if param.grad is not None:
+                    row.copy_(param.grad)
+                if param.requires_grad:
+                    param.grad = row
+            self._pointed[name] = grad
+            self._seen[name] = list(map(_grad_pointer, members))
+
+    def needs(self, name: str) -> list[bool]:
+        """Which members' tensor of `name` takes gradients (a frozen one's row takes none)."""
+        return [p.requires_grad for p in self._group_of(name)]
 
     def rows(self) -> list[dict[str, torch.Tensor]]:
         """Each member's parameters as rows of the stacks, for a call member by member.
@@ -95,7 +109,7 @@ class StackedGrads:
         for name in self.stacks:
             self._point_one(name, create)
 
-    def _point_one(self, name: str, create: bool) -> None:
+    def _point_one(self, name: str, create: bool, after_backward: bool = False) -> None:
         stack = self.stacks[name]
         grad = stack.grad
         pointed = grad is not None and self._pointed[name] is grad
@@ -108,7 +122,8 @@ class StackedGrads:
                     self._drop_stale(name, members)
                     return
                 grad = stack.grad = torch.zeros_like(stack)
-            rows = grad.unbind(0)  # one call for every row (no autograd: in place is fine)
+            with torch.enable_grad() if grad.requires_grad else contextlib.nullcontext():
+                rows = grad.unbind(0)  # one call for every row; create_graph: with its graph
             for param, row in zip(members, rows, strict=True):
                 if not param.requires_grad:
                     continue  # frozen: its .grad stays what it was, as one by one
@@ -116,7 +131,9 @@ class StackedGrads:
                 if own is not None and own.data_ptr() == row.data_ptr():
                     continue
                 if own is None or _views(own, self._pointed[name]):
-                    if pointed:
+                    if pointed and after_backward:
+                        _zeroed_alone(name)  # too late to tell old from new: keep both
+                    elif pointed:
                         row.zero_()  # the member's grad was zeroed on its own
                 elif pointed:
                     row.copy_(own)
@@ -135,6 +152,16 @@ class StackedGrads:
             if param.grad is not None and _views(param.grad, old):
                 param.grad = None
         self._pointed[name] = None
+
+
+def _zeroed_alone(name: str) -> None:
+    _logger.warning(
+        "Fanout: a member's %s.grad was set to None on its own between a call and its "
+        "backward, while Fanout.parameters() holds the gradients: its row of the stack's "
+        ".grad keeps the gradient from before too; zero gradients through the optimizer "
+        "over fan.parameters(), or before the call",
+        name,
+    )
 
 
 def _grad_pointer(param: torch.Tensor) -> int:

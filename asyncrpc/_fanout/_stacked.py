@@ -210,7 +210,18 @@ class Stacked:
         """The parameters the call reads: the stacks, through `_Rows` where gradients flow."""
         params = {name: storage.stacks[name] for name in storage.param_names}
         if storage.grads is not None:
-            return params  # leaves that need gradients: backward fills stack.grad in one piece
+            # Leaves that need gradients: backward fills stack.grad in one piece. A
+            # frozen member's row takes none, as its own tensor would not.
+            for name in storage.param_names:
+                needs = storage.grads.needs(name)
+                if not any(needs):
+                    params[name] = params[name].detach()
+                elif not all(needs):
+                    mask = torch.tensor(
+                        needs, dtype=params[name].dtype, device=params[name].device
+                    )
+                    params[name] = _Frozen.apply(params[name], mask)  # type: ignore[no-untyped-call]
+            return params
         if torch.is_grad_enabled():
             for name in storage.param_names:
                 group = storage.group(held, name)
@@ -284,6 +295,20 @@ def _layer_norm(
     if weight is not None:
         return h * weight.unsqueeze(1)
     return h
+
+
+class _Frozen(torch.autograd.Function):
+    """The stack as it is; backward gives frozen members' rows (mask 0) no gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, stack: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(mask)
+        return stack.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (mask,) = ctx.saved_tensors
+        return grad * mask.view(-1, *([1] * (grad.dim() - 1))), None
 
 
 class _Rows(torch.autograd.Function):
