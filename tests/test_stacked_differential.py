@@ -232,6 +232,7 @@ class Copies:
         self.handles: list[Any] = []
         self.fan: asyncrpc.Fanout | None = None
         self.engine = engine
+        self.stacked = False  # fan.parameters() handed out: gradients go to the stacks
 
     def start(self) -> None:
         if self.engine is not None:
@@ -335,6 +336,8 @@ def _apply(step: Step, copies: list[Copies], x: torch.Tensor) -> None:
     if what == "hook":
         kinds = MEMBER_HOOKS + GLOBAL_HOOKS
         kind = kinds[seed % len(kinds)]
+        if kind in ("tensor", "accumulate") and any(c.stacked for c in copies):
+            return  # cannot run while the stacks hold the gradients: a call would raise
         if kind in GLOBAL_HOOKS:
             _GLOBALS.append(_global_hook(copies, kind))
         for c in copies if kind in MEMBER_HOOKS else []:
@@ -383,8 +386,10 @@ def _optimize(c: Copies, member: torch.nn.Module, what: str, number: float, x: A
         return
     fan, stacked = c.fan, what.endswith("-stacked")
     what = what.removesuffix("-stacked")
-    if stacked and fan is not None and fan.engine == "vmap" and not fan.declined:
+    hooked = any(_torch_hooks(p) for m in c.members for p in m.parameters())
+    if stacked and fan is not None and fan.engine == "vmap" and not fan.declined and not hooked:
         params = fan.parameters()  # one optimizer over the stacks: every member stepped
+        c.stacked = True
     if what == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9)
     else:
@@ -397,6 +402,10 @@ def _optimize(c: Copies, member: torch.nn.Module, what: str, number: float, x: A
         if isinstance(loss, torch.Tensor):
             loss.backward()
             opt.step()
+
+
+def _torch_hooks(tensor: torch.Tensor) -> bool:
+    return bool(tensor._backward_hooks or tensor._post_accumulate_grad_hooks)
 
 
 def _write(c: Copies, member: torch.nn.Module, what: str, number: float, x: Any) -> None:

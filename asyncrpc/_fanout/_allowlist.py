@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from .._core import _torch
+from ._alone import mark_entries
 from ._reads import own_classes, readable
-from ._storage import _mark_entries
 
 __all__ = [
     "LAYERS",
@@ -255,7 +255,7 @@ def _tensor_reason(sub: torch.nn.Module, where: str) -> str | None:
 def hook_reason(sub: torch.nn.Module, where: str) -> str | None:
     """Why `sub`'s hooks keep it from being stacked (any hook but the engine's own), or None."""
     for name, table in _torch.hook_tables(sub).items():
-        if any(hook is not _mark_entries for hook in table.values()):
+        if any(hook is not mark_entries for hook in table.values()):
             kind = name.strip("_").replace("_", " ")
             how = f" ({_REGISTER[name]})" if name in _REGISTER else ""
             return f"{where} has {kind}{how}; a stacked call would skip them"

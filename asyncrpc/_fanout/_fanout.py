@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from .._core import _futures, _torch
+from .._core import _futures
 from . import _exit
+from ._calling import call, on_rows, settle, span, succeeded
 from ._copies import copied_members, rows_of
 from ._decline import Declined, decline
 from ._forked import run_forked, script_driver
@@ -272,7 +273,7 @@ class Fanout:
         plan, ticket = self._tuner.begin(self._serial_plan if watch and watch.probe else None)
         try:
             if watch is not None and watch.probe:
-                fut = _settle(lambda: self._probe(watch, calls))
+                fut = settle(lambda: self._probe(watch, calls))
             else:
                 fut = self._run_plan(plan, calls)
         except BaseException:
@@ -300,7 +301,7 @@ class Fanout:
     def _probe(self, watch: Watch, calls: _Calls) -> list[Any]:
         results = []
         for i, (m, n, (a, k)) in enumerate(self._triples(calls)):
-            results.append(_call(m, n, a, k))
+            results.append(call(m, n, a, k))
             watch.after_member(i)
         return results
 
@@ -313,7 +314,7 @@ class Fanout:
         out: _futures.Settle | None,
     ) -> None:
         try:
-            ok = _succeeded(done)
+            ok = succeeded(done)
             guard, drew = self._guard, None
             if watch is not None and guard is not None:
                 drew = guard.finish(watch, ok, plan)
@@ -343,15 +344,15 @@ class Fanout:
 
     def _run_plan(self, plan: FanoutPlan, calls: _Calls) -> Future[list[Any]]:
         if plan.engine == "serial":
-            return _settle(lambda: self._serial(calls))
+            return settle(lambda: self._serial(calls))
         if plan.engine == "vmap":
-            return _settle(lambda: self._vmap(plan, calls))
+            return settle(lambda: self._vmap(plan, calls))
         if plan.engine == "fork":
             driver = self._driver
             assert driver is not None
-            return _settle(lambda: run_forked(driver, self._lock, plan, calls))
+            return settle(lambda: run_forked(driver, self._lock, plan, calls))
         pool = self._ensure_pool(plan)
-        futs = [pool.submit(partial(_call, m, n, a, k)) for m, n, (a, k) in self._triples(calls)]
+        futs = [pool.submit(partial(call, m, n, a, k)) for m, n, (a, k) in self._triples(calls)]
         return _futures.gather(futs)
 
     def _stacked_grads(self) -> StackedGrads | None:
@@ -362,30 +363,23 @@ class Fanout:
 
     def _serial(self, calls: _Calls) -> list[Any]:
         grads = self._stacked_grads()
-        if grads is not None and torch.is_grad_enabled():
-            return self._serial_on_rows(grads, calls)
-        return [_call(m, n, a, k) for m, n, (a, k) in self._triples(calls)]
+        if grads is not None and torch.is_grad_enabled() and self._restacked(grads):
+            # Member by member on their rows of the stacks: gradients reach stack.grad whole.
+            rows = grads.rows(self.members)
+            return [
+                call(partial(on_rows, m, rows[i]), n, a, k)
+                for i, (m, n, (a, k)) in enumerate(self._triples(calls))
+            ]
+        return [call(m, n, a, k) for m, n, (a, k) in self._triples(calls)]
 
-    def _serial_on_rows(self, grads: StackedGrads, calls: _Calls) -> list[Any]:
-        """Member by member on their rows of the stacks: gradients reach stack.grad whole.
-
-        A tensor hook on a member's parameter could not run (the rows take the
-        gradient): that is an error, not a hook silently skipped.
-        """
-        for i, member in enumerate(self.members):
-            for name, p in member.named_parameters():  # type: ignore[attr-defined]
-                if _torch.tensor_hooks(p):
-                    raise RuntimeError(
-                        f"member {i}'s {name} has a tensor hook (register_hook or "
-                        "register_post_accumulate_grad_hook), which cannot run while "
-                        "Fanout.parameters() holds the gradients (they reach the stacks, not "
-                        f"{name}); remove the hook, or step the members' own parameters"
-                    )
-        rows = grads.rows()
-        return [
-            _call(partial(_on_rows, m, rows[i]), n, a, k)
-            for i, (m, n, (a, k)) in enumerate(self._triples(calls))
-        ]
+    def _restacked(self, grads: StackedGrads) -> bool:
+        """True when the members' tensors are rows of the stacks now (restacked if they
+        moved: `.double()`); False when they cannot be (members unlike each other)."""
+        stacked = self._stacked or self._kept
+        if stacked is not None and stacked.storage is not None:
+            with contextlib.suppress(Unstackable):
+                stacked.storage.sync()
+        return grads.current()
 
     def _vmap(self, plan: FanoutPlan, calls: _Calls) -> list[Any]:
         stacked = self._stacked
@@ -395,7 +389,7 @@ class Fanout:
         if grads is not None and torch.is_grad_enabled():
             grads.point(create=False)
         try:
-            with _span(f"vmap of {len(self.members)} members"):
+            with span(f"vmap of {len(self.members)} members"):
                 return stacked.run(calls, lambda: self._serial(calls))
         except Declined as declined:
             if grads is None:
@@ -451,41 +445,3 @@ def fanout(
     """
     with Fanout(members, engine=engine, threads=threads) as fan:
         return fan(*args, **kwargs)
-
-
-def _span(name: str) -> contextlib.AbstractContextManager[Any]:
-    """A span named `name` in torch's profiler (and so in asyncrpc.trace), while it records.
-
-    Even with the profiler off a span costs about 10 us, so none is made then.
-    """
-    if _torch.profiling():
-        return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
-
-
-def _call(member: Callable[..., Any], name: str, args: Any, kwargs: Any) -> Any:
-    try:
-        with _span(name):
-            return member(*args, **kwargs)
-    except Exception as error:
-        error.add_note(f"raised by {name}")
-        raise
-
-
-def _on_rows(member: Any, rows: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-    return torch.func.functional_call(member, rows, args, kwargs)
-
-
-def _succeeded(done: Future[Any]) -> bool:
-    try:
-        done.value()
-    except Exception:
-        return False
-    return True
-
-
-def _settle(work: Callable[[], list[Any]]) -> Future[list[Any]]:
-    try:
-        return _futures.completed(work())
-    except Exception as error:
-        return _futures.failed(error)

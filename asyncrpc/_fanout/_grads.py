@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from .._core import _torch
+
 __all__ = ["StackedGrads"]
 
 _logger = logging.getLogger("asyncrpc")
@@ -78,17 +80,32 @@ class StackedGrads:
             self._pointed[name] = grad
             self._seen[name] = list(map(_grad_pointer, members))
 
+    def current(self) -> bool:
+        """True when every member's tensor matches its stack's row (shape, dtype, device)."""
+        return all(_alike(stack, self._group_of(name)) for name, stack in self.stacks.items())
+
     def needs(self, name: str) -> list[bool]:
         """Which members' tensor of `name` takes gradients (a frozen one's row takes none)."""
         return [p.requires_grad for p in self._group_of(name)]
 
-    def rows(self) -> list[dict[str, torch.Tensor]]:
+    def rows(self, members: Sequence[Any]) -> list[dict[str, torch.Tensor]]:
         """Each member's parameters as rows of the stacks, for a call member by member.
 
         `torch.func.functional_call(member, rows[i], ...)` runs the member's own
         forward (its hooks too) on these rows, whose gradients reach stack.grad
-        in one piece when backward runs, whenever the optimizer zeroed it.
+        in one piece when backward runs, whenever the optimizer zeroed it. A
+        tensor hook on a member's parameter could not run (the rows take the
+        gradient): a RuntimeError says so, rather than a hook silently skipped.
         """
+        for i, member in enumerate(members):
+            for name, param in member.named_parameters():
+                if _torch.tensor_hooks(param):
+                    raise RuntimeError(
+                        f"member {i}'s {name} has a tensor hook (register_hook or "
+                        "register_post_accumulate_grad_hook), which cannot run while "
+                        "Fanout.parameters() holds the gradients (they reach the stacks, not "
+                        f"{name}); remove the hook, or step the members' own parameters"
+                    )
         names = list(self.stacks)
         columns = _RowsOf.apply(*self.stacks.values())  # type: ignore[no-untyped-call]
         count = len(columns) // len(names)
@@ -116,6 +133,8 @@ class StackedGrads:
         members = self._group_of(name)
         if pointed and list(map(_grad_pointer, members)) == self._seen.get(name):
             return  # as pointed last time: the common case, a few microseconds
+        if not _alike(stack, members):
+            return  # moved (`.double()`): the storage restacks at its next call (`replace`)
         with self._lock, torch.no_grad():
             if grad is None:
                 if not create:
@@ -162,6 +181,11 @@ def _zeroed_alone(name: str) -> None:
         "over fan.parameters(), or before the call",
         name,
     )
+
+
+def _alike(stack: torch.Tensor, members: Sequence[torch.Tensor]) -> bool:
+    row = (stack.dtype, stack.device, stack.shape[1:])
+    return all((p.dtype, p.device, p.shape) == row for p in members)
 
 
 def _grad_pointer(param: torch.Tensor) -> int:

@@ -33,7 +33,7 @@ Storage (`storage_for`; the last to leave releases it).
 
 What aliasing would change for a member, and what is done about it:
   - `torch.save(member.state_dict())` and `copy.deepcopy` of its entries would
-    write or copy the whole stack: a state-dict hook marks entries that are
+    write or copy the whole stack: a state-dict hook (_alone) marks entries that are
     rows of any live stack so they save and copy as themselves alone;
   - RPC sends a row alone (torch copies a view of a larger storage);
   - left as they are (documented): `p.untyped_storage()` is the stack's, and
@@ -42,8 +42,6 @@ What aliasing would change for a member, and what is done about it:
 
 from __future__ import annotations
 
-import copy
-import functools
 import logging
 import operator
 import threading
@@ -54,6 +52,7 @@ from typing import Any
 import torch
 
 from .._core import _torch
+from ._alone import LIVE, Alone, mark_entries
 from ._grads import StackedGrads
 
 _logger = logging.getLogger("asyncrpc")
@@ -125,11 +124,11 @@ class Storage:
         self.grads: StackedGrads | None = None  # the stacks handed to an optimizer (_grads)
         # A module-level hook: a member stays picklable and copyable.
         self._hooks = [
-            sub.register_state_dict_post_hook(_mark_entries)  # type: ignore[no-untyped-call]
+            sub.register_state_dict_post_hook(mark_entries)  # type: ignore[no-untyped-call]
             for m in members
             for sub in m.modules()
         ]
-        _live.add(self)
+        LIVE.add(self)
         held = self.held()
         with self._lock, _stacking():
             for k in range(len(self.names)):
@@ -244,7 +243,7 @@ class Storage:
                 row = self._rows[j]
                 if tensor is None or _data_ptr(tensor) != _data_ptr(row) or _in_shm(row):
                     continue
-                _Alone.unmark(tensor)
+                Alone.unmark(tensor)
                 own = row.clone()
                 if not _torch.share_version(tensor, own):
                     tensor.data = own  # a live graph holds it: the memory alone
@@ -254,7 +253,7 @@ class Storage:
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
-            _live.discard(self)
+            LIVE.discard(self)
             self.stacks.clear()
             self._rows = [torch.empty(0)] * len(self._rows)
             self._expected = [-1] * len(self._rows)
@@ -332,7 +331,7 @@ class Storage:
             except RuntimeError:
                 self._foreign.add(j)
         if j not in self._foreign:
-            _Alone.mark(tensor)
+            Alone.mark(tensor)
         self._expected[j] = _data_ptr(tensor)
         self._strides[j] = tensor.stride()
 
@@ -356,9 +355,6 @@ def _orphaned(why: str) -> None:
         "fan.parameters() again and make a new optimizer",
         why,
     )
-
-
-_live: weakref.WeakSet[Storage] = weakref.WeakSet()  # the stacks state dicts are checked against
 
 
 _shared: weakref.WeakValueDictionary[tuple[int, ...], Storage] = weakref.WeakValueDictionary()
@@ -394,75 +390,3 @@ class _stacking:
     def __exit__(self, *exc: object) -> None:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
-
-
-# ---- state dicts: an entry that is a row saves and copies as itself alone -------------
-
-
-def _stack_memory(tensor: torch.Tensor) -> bool:
-    """True when `tensor` is a row of any live stack (one Fanout's, or another's)."""
-    return any(storage.owns(tensor) for storage in list(_live))
-
-
-def _mark_entries(
-    module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    for table in _torch.tensor_tables(module):
-        for key, own in table.items():
-            entry = state_dict.get(prefix + key)
-            # keep_vars=True hands out the member's own tensors: those are left alone.
-            if isinstance(entry, torch.Tensor) and entry is not own and _stack_memory(entry):
-                ref = weakref.ref(entry)
-                setattr(entry, "__reduce_ex__", functools.partial(_reduce_alone, ref))  # noqa: B010
-                setattr(entry, "__deepcopy__", functools.partial(_copy_alone, ref))  # noqa: B010
-
-
-def _reduce_alone(ref: weakref.ref[torch.Tensor], protocol: int) -> Any:
-    # pickle and torch.save look __reduce_ex__ up on the object: this one reduces
-    # a copy of the row alone, not the view of the whole stack.
-    tensor = ref()
-    assert tensor is not None
-    return tensor.clone().__reduce_ex__(protocol)  # type: ignore[no-untyped-call]
-
-
-def _copy_alone(ref: weakref.ref[torch.Tensor], memo: dict[int, Any]) -> torch.Tensor:
-    tensor = ref()
-    assert tensor is not None
-    copied = memo[id(tensor)] = tensor.clone()
-    return copied
-
-
-class _Alone:
-    """Set on a member's plain tensor (a buffer) that is a row: it deep-copies as its row alone.
-
-    A Parameter copies its own data alone already (`Parameter.__deepcopy__`); a
-    plain tensor's `__deepcopy__` copies its whole storage, the stack. The
-    instance's `__getstate__` leaves these marks out when it is pickled.
-    """
-
-    __slots__ = ("tensor",)
-    _KEYS = ("__deepcopy__", "__getstate__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    @classmethod
-    def mark(cls, tensor: torch.Tensor) -> None:
-        if type(tensor) is torch.Tensor and "__deepcopy__" not in vars(tensor):
-            alone = cls(tensor)
-            vars(tensor).update(__deepcopy__=alone.deepcopy, __getstate__=alone.state)
-
-    @classmethod
-    def unmark(cls, tensor: torch.Tensor) -> None:
-        for key in cls._KEYS:
-            vars(tensor).pop(key, None)
-
-    def deepcopy(self, memo: dict[int, Any]) -> torch.Tensor:
-        with torch.no_grad():
-            copied = self.tensor.clone().requires_grad_(self.tensor.requires_grad)
-        memo[id(self.tensor)] = copied
-        vars(copied).update(copy.deepcopy(self.state(), memo))
-        return copied
-
-    def state(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self.tensor).items() if k not in self._KEYS}
