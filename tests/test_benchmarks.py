@@ -69,7 +69,7 @@ CASES = {
         ],
     ),
     "ensemble_training": (
-        "--rounds 1 --batches 8 --sample 0.02 --agree-steps 3".split(),
+        "--rounds 1 --batches 8 --sample 0.02 --agree-steps 3 --auto-batches 1".split(),
         ["  vmap ", "  auto ", "  floor "],
     ),
     "stacked_mlp": (
