@@ -345,7 +345,9 @@ def referee(ctx: asyncrpc.Context, kills: int, seed: int) -> None:
         killed_at = time.monotonic()
         if os.environ.get("HEAL_LOAD_NO_KILL"):  # the same traffic and rounds, no deaths
             time.sleep(0.15)
-            rounds.append({name: asyncrpc.rpc_sync(name, usage) for name in SURVIVORS})
+            rounds.append(
+                {name: asyncrpc.rpc_sync(name, usage, timeout=CALL_S) for name in SURVIVORS}
+            )
             if quiet:
                 _pause_traffic(False)
             continue
@@ -368,13 +370,15 @@ def referee(ctx: asyncrpc.Context, kills: int, seed: int) -> None:
             break
     for name in SURVIVORS:
         _until_replaced(name)
-        asyncrpc.rpc_sync(name, stop)
+        asyncrpc.rpc_sync(name, stop, timeout=CALL_S)
     tallies = {name: asyncrpc.rpc_sync(name, result, timeout=90) for name in SURVIVORS}
     settle_s = float(os.environ.get("HEAL_LOAD_SETTLE_S", "0"))
     if settle_s:  # quiet, then read again: what torch still holds once its retries ran out
         time.sleep(settle_s)
-        rounds.append({name: asyncrpc.rpc_sync(name, usage) for name in SURVIVORS})
-    served_counts = {name: asyncrpc.rpc_sync(name, _served_count) for name in SURVIVORS}
+        rounds.append({name: asyncrpc.rpc_sync(name, usage, timeout=CALL_S) for name in SURVIVORS})
+    served_counts = {
+        name: asyncrpc.rpc_sync(name, _served_count, timeout=CALL_S) for name in SURVIVORS
+    }
     heal_s.sort()
     summary = {
         "kills": kills,
@@ -417,7 +421,9 @@ def _pid_of(victim: str) -> int:
 def _pause_traffic(on: bool) -> None:
     deadline = time.monotonic() + CALL_S
     while True:
-        in_flight = sum(asyncrpc.rpc_sync(name, pause, args=(on,)) for name in SURVIVORS)
+        in_flight = sum(
+            asyncrpc.rpc_sync(name, pause, args=(on,), timeout=CALL_S) for name in SURVIVORS
+        )
         if not on or in_flight == 0:
             return
         if time.monotonic() > deadline:
