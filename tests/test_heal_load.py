@@ -39,19 +39,21 @@ def _summary(out: str) -> dict[str, Any]:
     return summary
 
 
-# Session-wide: a module fixture is set up again whenever xdist interleaves another
-# module's tests between this module's, and the program takes about a minute.
-@pytest.fixture(scope="session")
-def load() -> dict[str, Any]:
+def test_a_learner_survives_its_actors_killed_100_times() -> None:
+    # One test over one run of the program (about a minute): separate tests over a
+    # shared fixture ran it once per xdist worker that picked one up.
     result = run_program("python", str(PROGRAMS / "heal_load.py"), str(KILLS), "4", "1",
                          timeout=460)  # fmt: skip
     assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
-    return _summary(result.stdout)
+    load = _summary(result.stdout)
+    _every_kill_was_healed_and_every_survivor_kept_its_first_process(load)
+    _every_failure_the_deaths_caused_is_named(load)
+    _calls_between_survivors_all_arrive(load)
+    _descriptors_sockets_and_threads_stay_flat(load)
+    _memory_settles(load)
 
 
-def test_every_kill_was_healed_and_every_survivor_kept_its_first_process(
-    load: dict[str, Any],
-) -> None:
+def _every_kill_was_healed_and_every_survivor_kept_its_first_process(load: dict[str, Any]) -> None:
     assert load["kills"] == KILLS and len(load["rounds"]) == KILLS, load["rounds"][-1:]
     assert load["replaced"] == ["worker3", "worker4"]  # the victims only
     for name, first in load["first"].items():
@@ -60,7 +62,7 @@ def test_every_kill_was_healed_and_every_survivor_kept_its_first_process(
         assert "died" not in load["tallies"][name], load["tallies"][name]
 
 
-def test_every_failure_the_deaths_caused_is_named(load: dict[str, Any]) -> None:
+def _every_failure_the_deaths_caused_is_named(load: dict[str, Any]) -> None:
     for name, tally in load["tallies"].items():
         assert tally["bare"] == [], (name, tally["bare"])
         # Not vacuous: the deaths were met, on objects too, and every kind of call ran.
@@ -69,13 +71,13 @@ def test_every_failure_the_deaths_caused_is_named(load: dict[str, Any]) -> None:
         assert len(tally["ok"]) == 13 and min(tally["ok"].values()) > 0, tally["ok"]
 
 
-def test_calls_between_survivors_all_arrive(load: dict[str, Any]) -> None:
+def _calls_between_survivors_all_arrive(load: dict[str, Any]) -> None:
     made = {name: tally["peer_calls"] for name, tally in load["tallies"].items()}
     assert made["worker1"] == load["served"]["worker2"] > 0
     assert made["worker2"] == load["served"]["worker1"] > 0
 
 
-def test_descriptors_sockets_and_threads_stay_flat(load: dict[str, Any]) -> None:
+def _descriptors_sockets_and_threads_stay_flat(load: dict[str, Any]) -> None:
     for name in load["first"]:
         rounds = [r[name] for r in load["rounds"]]
         assert max(r["close_wait"] for r in rounds) == 0, [r["close_wait"] for r in rounds]
@@ -85,7 +87,7 @@ def test_descriptors_sockets_and_threads_stay_flat(load: dict[str, Any]) -> None
             assert max(values[10:]) - min(values[:10]) <= slack, (name, key, values)
 
 
-def test_memory_settles(load: dict[str, Any]) -> None:
+def _memory_settles(load: dict[str, Any]) -> None:
     for name in load["first"]:
         rss = [r[name]["rss_kb"] for r in load["rounds"]]
         half = len(rss) // 2
