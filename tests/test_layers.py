@@ -26,6 +26,7 @@ LAYERS: list[list[str]] = [
 INSIDE: dict[str, list[str]] = {
     "_core": [
         "_errors",
+        "_runtime",
         "_torch",
         "_failures",
         "_unwaited",

@@ -1,0 +1,106 @@
+"""Where a world's state lives: one `Runtime` per world, each module's part in it.
+
+Every module that keeps state for the world it serves (calls in flight,
+cancel keys, producers of streams, torch's patches, the trace being
+recorded...) defines one small class for it, a *part*, and reaches its
+instance through `part(Kind)`. Nothing of a world hangs from a module's
+globals: ending the world (`end`) closes every part, newest first, and
+drops the runtime, so the next world starts from nothing::
+
+    module code ──part(Calls)──> SLOT.runtime ──> {Calls: Calls(), Activity: ...}
+                                      │
+    shutdown ──> end() ──> each part's close(), newest first ──> a fresh Runtime
+
+A part is made on first use, in a world asyncrpc started or one torch's
+`rpc.init_rpc` started (the drop-in layer), and even before any world (a
+trace recorded from the start). Its class takes no arguments; a `close()`
+method, if it has one, stops what it started (threads, watchers) and must
+not raise.
+
+Process-lifetime caches that hold nothing of a world (the kinds of
+callables, failure subclasses made per remote type) stay in their modules;
+docs/design.md lists them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, TypeVar
+
+__all__ = ("SLOT", "Runtime", "end", "part")
+
+P = TypeVar("P")
+
+
+class Runtime:
+    """The state of one world: an instance of each part's class, made on first use."""
+
+    __slots__ = ("__weakref__", "_lock", "closed", "parts")
+
+    def __init__(self) -> None:
+        self.parts: dict[type[Any], Any] = {}
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def make(self, kind: type[P]) -> P:
+        """The instance of `kind` in this runtime, made now if it is not yet."""
+        with self._lock:  # two threads' first use makes one part, not two
+            found = self.parts.get(kind)
+            if found is None:
+                found = self.parts[kind] = kind()
+            return found
+
+    def close(self) -> None:
+        """Close every part that can be, newest first (the reverse of their making); once."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            made = list(self.parts.values())
+        for made_part in reversed(made):
+            close = getattr(made_part, "close", None)
+            if close is not None:
+                close()
+
+
+class _Slot:
+    """The one place process state hangs from: the runtime of the world now."""
+
+    __slots__ = ("runtime",)
+
+    def __init__(self) -> None:
+        self.runtime = Runtime()
+
+
+SLOT = _Slot()
+
+
+def part(kind: type[P]) -> P:
+    """This world's instance of `kind`, made on its first use.
+
+    Example (in a module that keeps state)::
+
+        class Producers:
+            def __init__(self) -> None:
+                self.open: dict[int, Producer] = {}
+
+        def producers() -> Producers:
+            return _runtime.part(Producers)
+    """
+    try:
+        return SLOT.runtime.parts[kind]  # type: ignore[no-any-return]
+    except KeyError:
+        return SLOT.runtime.make(kind)
+
+
+def end() -> None:
+    """End the world's state: close its parts, then a fresh runtime for what comes next.
+
+    Closed first, while the world is still visible: what a part's `close`
+    runs (a stream generator's `finally`) may still ask for its context.
+    Ending twice is ending once.
+    """
+    ended = SLOT.runtime
+    ended.close()
+    if SLOT.runtime is ended:
+        SLOT.runtime = Runtime()
