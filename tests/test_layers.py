@@ -36,9 +36,11 @@ INSIDE: dict[str, list[str]] = {
         "_reply",
         "_context",
         "_net",
+        "_environ",
         "_rendezvous",
         "_liveness",
         "_membership",
+        "_healing",
         "_forks",
         "_registry",
         "_snapshot",
@@ -105,7 +107,7 @@ def _imports(module: str, source: str, is_package: bool, known: set[str]) -> set
     parts = [] if module == "__init__" else module.split(".")
     base = parts if is_package else parts[:-1]
     targets = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in _runtime_nodes(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 anchor = base[: len(base) - (node.level - 1)] if node.level > 1 else base
@@ -122,6 +124,24 @@ def _imports(module: str, source: str, is_package: bool, known: set[str]) -> set
                 if alias.name.startswith("asyncrpc."):
                     targets.add(alias.name.removeprefix("asyncrpc."))
     return {t for t in targets if t and t != module}
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of `tree` but those inside `if TYPE_CHECKING:` (types only, never run)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in (
+            "TYPE_CHECKING",
+            "typing.TYPE_CHECKING",
+        ):
+            skipped.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    return [node for node in ast.walk(tree) if id(node) not in skipped]
+
+
+def test_types_only_imports_are_left_out_of_the_order() -> None:
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._world import World\n"
+    kept = [n for n in _runtime_nodes(ast.parse(source)) if isinstance(n, ast.ImportFrom)]
+    assert [n.module for n in kept] == ["typing"]
 
 
 def test_every_module_imports_only_from_lower_layers() -> None:

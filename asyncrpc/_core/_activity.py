@@ -16,21 +16,20 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
 
-from . import _cancel
+from . import _cancel, _runtime
 
-__all__ = [
+__all__ = (
     "LATENCIES_KEPT",
+    "Activity",
     "Outgoing",
-    "count_streams_with",
     "ended",
     "failures",
     "in_flight",
     "sent",
     "streams",
     "take_latencies",
-]
+)
 
 LATENCIES_KEPT = 10_000
 
@@ -48,58 +47,61 @@ class Outgoing:
         self.thread = threading.get_ident()
 
 
-_in_flight: set[Outgoing] = set()
-_latencies: collections.deque[float] = collections.deque(maxlen=LATENCIES_KEPT)
-_failed_seen = [0]  # failures counted so far
-_lock = threading.Lock()
+class Activity:
+    """This world's outgoing calls, their latencies and failures (a part of `_runtime`).
+
+    `streams`: the generators this worker holds open for others' streams,
+    kept up to date by `_stream` (which holds them).
+    """
+
+    def __init__(self) -> None:
+        self.in_flight: set[Outgoing] = set()
+        self.latencies: collections.deque[float] = collections.deque(maxlen=LATENCIES_KEPT)
+        self.failed = 0  # failures counted so far
+        self.lock = threading.Lock()
+        self.streams = 0
 
 
 def sent(worker: str, label: object, key: int) -> Outgoing:
     """Record a call just sent to `worker`."""
     call = Outgoing(worker, label, key)
-    _in_flight.add(call)  # one bytecode: atomic under the GIL
+    _runtime.part(Activity).in_flight.add(call)  # one bytecode: atomic under the GIL
     return call
 
 
 def ended(call: Outgoing, failed: bool) -> None:
     """The call's outcome arrived (or it was cancelled)."""
-    _in_flight.discard(call)
-    _latencies.append(time.monotonic() - call.started)
+    activity = _runtime.part(Activity)
+    activity.in_flight.discard(call)
+    activity.latencies.append(time.monotonic() - call.started)
     if failed:
-        with _lock:
-            _failed_seen[0] += 1
+        with activity.lock:
+            activity.failed += 1
 
 
 def in_flight() -> list[Outgoing]:
     """The calls in flight now, oldest first."""
-    return sorted(list(_in_flight), key=lambda call: call.started)
+    return sorted(list(_runtime.part(Activity).in_flight), key=lambda call: call.started)
 
 
 def take_latencies() -> list[float]:
     """Seconds taken by the calls that ended since the last read (then forgotten)."""
+    latencies = _runtime.part(Activity).latencies
     taken = []
     while True:
         try:
-            taken.append(_latencies.popleft())
+            taken.append(latencies.popleft())
         except IndexError:
             return taken
 
 
-_stream_counter: list[Callable[[], int]] = []  # set by the first stream opened here
-
-
-def count_streams_with(counter: Callable[[], int]) -> None:
-    """Have `streams()` ask `counter` (the stream module's own count of its producers)."""
-    if not _stream_counter:
-        _stream_counter.append(counter)
-
-
 def streams() -> int:
     """Generators this worker holds open for others' streams."""
-    return _stream_counter[0]() if _stream_counter else 0
+    return _runtime.part(Activity).streams
 
 
 def failures() -> int:
     """Calls this worker sent that failed, since it started."""
-    with _lock:
-        return _failed_seen[0]
+    activity = _runtime.part(Activity)
+    with activity.lock:
+        return activity.failed

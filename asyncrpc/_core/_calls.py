@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, TypeAlias, TypeVar, overload
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from . import _activity, _hang, _torch, _world
+from . import _activity, _hang, _runtime, _torch, _world
 from ._cancel import Sent, new_key
 from ._errors import NestedCallError, UnknownWorkerError
 from ._execution import Kind, classify, run_python, run_python_async
@@ -180,7 +180,7 @@ def check(
     label: object = None,
 ) -> Call:
     """Validate one call before anything is sent; `label` names it in errors (default: func)."""
-    world = _world._world or _world.current_world(f"asyncrpc.{verb}")
+    world = _world.running_world() or _world.current_world(f"asyncrpc.{verb}")
     worker = _worker_name(verb, to, world.context.names)
     if world.members is not None:  # a world that heals: `worker` may be being replaced
         world.members.check_call(worker)
@@ -245,21 +245,10 @@ def send(call: Call, cancellable: bool = True) -> Future[Any]:
     The Future is asyncrpc's own (`_reply`), which a cancel can fail at once;
     with `cancellable=False` (rpc_sync: nobody can cancel it) torch's own.
     """
-    traced, replied = _traced(call.worker, call.func)
-    func, args, kwargs = _wrapped(call.func, traced, call.args, call.kwargs, call.sent.key)
-    try:
-        healing = _healing(call)
-        if healing is None:
-            fut = _send_now(call, func, args, kwargs)
-        else:  # its RRefs cross as `_forks` says; those sent by id live until the reply
-            with _torch.sending_to(healing) as keep:
-                fut = _send_now(call, func, args, kwargs)
-            _torch.keep_until_done(fut, keep)
-    except Exception as exc:
-        raise_unsendable(exc, call.worker, call.label)
+    fut, traced, replied = _dispatch(call, remote=False)
     if cancellable:
         # torch's operators run without a cancel key: a cancel fails the Future only.
-        reply = Reply(call.sent if func is not traced else call.sent._replace(key=0))
+        reply = Reply(call.sent if not traced else call.sent._replace(key=0))
         out = reply.future  # tagged with the Reply; taken first: the reply may be in already
         if call.hang_after:
             _hang.watch(reply, call.hang_after, _world.side_queues())
@@ -268,8 +257,7 @@ def send(call: Call, cancellable: bool = True) -> Future[Any]:
     else:
         _torch.set_unwrap(fut, check_reply)
         _torch.tag_future(fut, call.sent)
-        if call.hang_after:
-            _watch_torch_future(fut, call)
+        _watched(call, fut, None)
     if replied is not None:
         fut.add_done_callback(replied)
     if unwaited_logging():
@@ -279,46 +267,9 @@ def send(call: Call, cancellable: bool = True) -> Future[Any]:
 
 def send_remote(call: Call) -> rpc.RRef[Any]:
     """torch's remote for a checked call; the owner keeps the value (or the Failure)."""
-    traced, replied = _traced(call.worker, call.func)
-    func, args, kwargs = _wrapped(call.func, traced, call.args, call.kwargs, call.sent.key)
-    try:
-        healing = _healing(call)
-        if healing is None:
-            rref = _torch.remote(call.to, func, args=args, kwargs=kwargs, timeout=call.seconds)
-        else:
-            with _torch.sending_to(healing) as keep:
-                rref = _torch.remote(call.to, func, args=args, kwargs=kwargs,
-                                     timeout=call.seconds)  # fmt: skip
-            _torch.keep_until_done(_torch.rref_future(rref), keep)
-    except Exception as exc:
-        raise_unsendable(exc, call.worker, call.label)
-    if healing is not None:  # `_forks` may send it on before its owner confirmed it
-        _torch.note_kind(rref, _torch.PY_OBJECT if func in _RUNNERS else _torch.PENDING)
-    if replied is not None:
-        _torch.rref_future(rref).add_done_callback(replied)
-    if call.hang_after:
-        _watch_torch_future(_torch.rref_future(rref), call)
+    rref, _, replied = _dispatch(call, remote=True)
+    _watched(call, _torch.rref_future(rref), replied)
     return rref  # type: ignore[no-any-return]
-
-
-def _healing(call: Call) -> int | None:
-    """The callee's torch id in a world that heals (see `_forks`), else None."""
-    world = _world._world
-    if world is None or world.members is None or not isinstance(call.to, WorkerInfo):
-        return None
-    return int(call.to.id)
-
-
-def _send_now(call: Call, func: Any, args: Any, kwargs: Any) -> Any:
-    if kwargs is None and isinstance(call.to, WorkerInfo) and func in _RUNNERS:
-        is_async = func is run_python_async
-        return _torch.send_python(call.to, func, args or (), {}, call.seconds, is_async)
-    return _torch.send_torch(call.to, func, args, kwargs, call.seconds)
-
-
-def _watch_torch_future(fut: Future[Any], call: Call) -> None:
-    queues = _world.side_queues()
-    _hang.watch_future(fut, call.worker, call.label, call.sent.key, call.hang_after or 0, queues)
 
 
 def call_sync(call: Call) -> Any:
@@ -334,24 +285,85 @@ def call_sync(call: Call) -> Any:
             _activity.ended(outgoing, failed)
 
 
+def _dispatch(call: Call, remote: bool) -> tuple[Any, bool, Callable[[Any], None] | None]:
+    """The one way a call leaves: (torch's Future or RRef, sent as torch sends it?, on_reply).
+
+    The trace's hook swaps the function (and gives `on_reply`), the runner
+    wraps it by its kind, and in a world that heals its RRefs cross as
+    `_forks` says (those sent by id live until the reply).
+    """
+    traced, replied = _traced(call.worker, call.func)
+    func, args, kwargs = _wrapped(call.func, traced, call.args, call.kwargs, call.sent.key)
+    try:
+        healing = _healing(call)
+        if healing is None:
+            out = _send_now(call, func, args, kwargs, remote)
+        else:
+            with _torch.sending_to(healing) as keep:
+                out = _send_now(call, func, args, kwargs, remote)
+            _torch.keep_until_done(_torch.rref_future(out) if remote else out, keep)
+    except Exception as exc:
+        raise_unsendable(exc, call.worker, call.label)
+    if remote and healing is not None:  # `_forks` may send it on before its owner confirmed it
+        _torch.note_kind(out, _torch.PY_OBJECT if func in _RUNNERS else _torch.PENDING)
+    return out, func is traced, replied
+
+
+def _healing(call: Call) -> int | None:
+    """The callee's torch id in a world that heals (see `_forks`), else None."""
+    world = _world.running_world()
+    if world is None or world.members is None or not isinstance(call.to, WorkerInfo):
+        return None
+    return int(call.to.id)
+
+
+def _send_now(call: Call, func: Any, args: Any, kwargs: Any, remote: bool) -> Any:
+    if remote:
+        return _torch.remote(call.to, func, args=args, kwargs=kwargs, timeout=call.seconds)
+    if kwargs is None and isinstance(call.to, WorkerInfo) and func in _RUNNERS:
+        is_async = func is run_python_async
+        return _torch.send_python(call.to, func, args or (), {}, call.seconds, is_async)
+    return _torch.send_torch(call.to, func, args, kwargs, call.seconds)
+
+
+def _watched(call: Call, fut: Future[Any], replied: Callable[[Any], None] | None) -> None:
+    """A call read through torch's own Future (rpc_sync, remote): on_reply, hang watch."""
+    if replied is not None:
+        fut.add_done_callback(replied)
+    if call.hang_after:
+        queues = _world.side_queues()
+        _hang.watch_future(fut, call.worker, call.label, call.sent.key, call.hang_after, queues)
+
+
 # While a trace records (asyncrpc._trace), it swaps each outgoing function for a
 # recording one and gets a callback for the reply; the core knows only this hook.
 OutgoingHook: TypeAlias = Callable[
     [str, Callable[..., Any]], tuple[Callable[..., Any], Callable[[Any], None] | None]
 ]
-_outgoing: OutgoingHook | None = None
+
+
+class Sending:
+    """This world's sending state (a part of `_runtime`): the trace's hook, nested waits.
+
+    `outgoing`: while a trace records, every call passes through it.
+    `blocked`: how many of this process's RPC threads wait in a nested blocking call.
+    """
+
+    def __init__(self) -> None:
+        self.outgoing: OutgoingHook | None = None
+        self.lock = threading.Lock()
+        self.blocked = 0
 
 
 def set_outgoing_hook(hook: OutgoingHook | None) -> None:
     """Have every call pass through `hook(worker, func) -> (sent, on_reply)`; None: off."""
-    global _outgoing
-    _outgoing = hook
+    _runtime.part(Sending).outgoing = hook
 
 
 def _traced(worker: str, func: Callable[..., Any]) -> tuple[Callable[..., Any], Any]:
-    hook = _outgoing
+    hook = _runtime.part(Sending).outgoing
     if hook is None:
-        return func, None  # the common case costs one global read
+        return func, None  # the common case costs one lookup
     return hook(worker, func)
 
 
@@ -377,30 +389,21 @@ def _wrapped(
 # ---- blocking calls from RPC threads --------------------------------------------------
 
 
-class _RpcThreads:
-    """How many of this process's RPC threads wait in a nested blocking call."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.blocked = 0
-
-
-_rpc_threads = _RpcThreads()
-
-
 class holding_rpc_thread:
     """Count a blocking wait made on an RPC thread; refuse the one that takes the last."""
 
     def __init__(self, worker: str, label: object) -> None:
         self.nested = _torch.is_rpc_thread()
         self.worker, self.label = worker, label
+        self.sending: Sending | None = None
 
     def __enter__(self) -> None:
         if not self.nested:
             return
         limit = _world.current_world("rpc_sync").threads - 1
-        with _rpc_threads.lock:
-            if _rpc_threads.blocked >= limit:
+        sending = self.sending = _runtime.part(Sending)
+        with sending.lock:
+            if sending.blocked >= limit:
                 raise NestedCallError(
                     f"rpc_sync of {label_of(self.label)} to {self.worker!r} from inside an RPC "
                     f"would block the last free RPC thread of this worker ({limit} of "
@@ -408,9 +411,11 @@ class holding_rpc_thread:
                     "stall until they time out; make the function @asyncrpc.async_execution "
                     "and return or await rpc_async(...) instead of calling rpc_sync"
                 )
-            _rpc_threads.blocked += 1
+            sending.blocked += 1
 
     def __exit__(self, *exc: object) -> None:
-        if self.nested:
-            with _rpc_threads.lock:
-                _rpc_threads.blocked -= 1
+        if self.nested:  # the part counted in: a world may end meanwhile
+            sending = self.sending
+            assert sending is not None
+            with sending.lock:
+                sending.blocked -= 1

@@ -32,10 +32,11 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from . import _torch
+from . import _runtime, _torch
 
-__all__ = [
+__all__ = (
     "KEY_BITS",
+    "Calls",
     "Running",
     "Sent",
     "begin",
@@ -55,7 +56,7 @@ __all__ = [
     "stop_watching",
     "watch",
     "watching",
-]
+)
 
 TOMBSTONE_S = 120.0  # how long a cancel waits for a call that has not started yet
 TOMBSTONES_MAX = 65_536  # the most kept at once: the oldest go first
@@ -64,7 +65,6 @@ _JOIN_S = 3.0  # how long a stopping watcher may take
 _GUARD_POLL_S = 0.2  # how often the exit guard looks whether the main thread has ended
 KEY_BITS = 40  # a call's key: caller rank << KEY_BITS | number
 _STOP = "stop"
-_numbers = itertools.count(1)
 
 
 class Sent(NamedTuple):
@@ -78,7 +78,7 @@ class Sent(NamedTuple):
 
 def new_key(caller_rank: int) -> int:
     """A key for the next call this process sends."""
-    return (caller_rank << KEY_BITS) | next(_numbers)
+    return (caller_rank << KEY_BITS) | next(_runtime.part(Calls).numbers)
 
 
 # ---- the caller's side -----------------------------------------------------------------
@@ -109,7 +109,7 @@ def cancel(fut: Any) -> bool:
 
 def request(sent: Sent) -> bool:
     """Ask `sent.callee` to stop the call `sent.key`; False when the store cannot be reached."""
-    store = _watcher.store
+    store = _runtime.part(Calls).watcher.store
     if store is None:
         return False
     try:
@@ -151,14 +151,27 @@ class Running:
         self.worker: int | None = None
 
 
-_lock = threading.Lock()
-_running: dict[int, Running] = {}
-# key -> when the cancel expires; in the order they came, which is expiry order.
-_tombstones: collections.OrderedDict[int, float] = collections.OrderedDict()
-# Calls that ended lately (a cancel that raced their reply needs no tombstone).
-_ended: collections.deque[int] = collections.deque(maxlen=ENDED_KEPT)
-_ended_keys: set[int] = set()
-_current = threading.local()
+class Calls:
+    """This world's calls, as the callee sees them (a part of `_runtime`).
+
+    The calls running here, the cancels that came before their call
+    (tombstones), the calls that ended lately, this process's key numbers,
+    and the watcher of the side channel; `close` stops the watcher.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running: dict[int, Running] = {}
+        # key -> when the cancel expires; in the order they came, which is expiry order.
+        self.tombstones: collections.OrderedDict[int, float] = collections.OrderedDict()
+        # Calls that ended lately (a cancel that raced their reply needs no tombstone).
+        self.ended: collections.deque[int] = collections.deque(maxlen=ENDED_KEPT)
+        self.ended_keys: set[int] = set()
+        self.numbers = itertools.count(1)
+        self.watcher = _Watcher()
+
+    def close(self) -> None:
+        _stop(self)
 
 
 def begin(key: int, call: tuple[Any, ...] = ()) -> Running | None:
@@ -167,10 +180,11 @@ def begin(key: int, call: tuple[Any, ...] = ()) -> Running | None:
     `call`: (function, args), for naming it in dumps.
     """
     state = Running(key, call)
-    with _lock:
-        if _tombstones and _tombstones.pop(key, None) is not None:
+    calls = _runtime.part(Calls)
+    with calls.lock:
+        if calls.tombstones and calls.tombstones.pop(key, None) is not None:
             return None
-        _running[key] = state
+        calls.running[key] = state
     return state
 
 
@@ -180,7 +194,7 @@ def claim(state: Running, on_cancel: Callable[[], object]) -> bool:
     Returns False when someone already has; runs `on_cancel` at once if the
     call was cancelled before anyone took charge.
     """
-    with _lock:
+    with _runtime.part(Calls).lock:
         if state.on_cancel is not None:
             return False
         state.on_cancel = on_cancel
@@ -192,13 +206,14 @@ def claim(state: Running, on_cancel: Callable[[], object]) -> bool:
 
 def end(state: Running) -> None:
     """The call is over."""
-    with _lock:
-        if _running.pop(state.key, None) is None:
+    calls = _runtime.part(Calls)
+    with calls.lock:
+        if calls.running.pop(state.key, None) is None:
             return  # ended twice (a reply path and a cancel): counted once
-        if len(_ended) == ENDED_KEPT:
-            _ended_keys.discard(_ended[0])
-        _ended.append(state.key)
-        _ended_keys.add(state.key)
+        if len(calls.ended) == ENDED_KEPT:
+            calls.ended_keys.discard(calls.ended[0])
+        calls.ended.append(state.key)
+        calls.ended_keys.add(state.key)
 
 
 def deliver(key: int) -> None:
@@ -207,11 +222,12 @@ def deliver(key: int) -> None:
     A cancel for a call that ended lately (it raced the reply) is dropped; the
     tombstones expire oldest first, and at most TOMBSTONES_MAX are kept.
     """
-    with _lock:
-        state = _running.get(key)
+    calls = _runtime.part(Calls)
+    with calls.lock:
+        state = calls.running.get(key)
         if state is None:
-            if key not in _ended_keys:
-                _bury(key)
+            if key not in calls.ended_keys:
+                _bury(calls.tombstones, key)
             return
         state.cancelled = True
         on_cancel = state.on_cancel
@@ -219,21 +235,22 @@ def deliver(key: int) -> None:
         on_cancel()
 
 
-def _bury(key: int) -> None:
+def _bury(tombstones: collections.OrderedDict[int, float], key: int) -> None:
     now = time.monotonic()
-    while _tombstones:
-        oldest, until = next(iter(_tombstones.items()))
-        if until >= now and len(_tombstones) < TOMBSTONES_MAX:
+    while tombstones:
+        oldest, until = next(iter(tombstones.items()))
+        if until >= now and len(tombstones) < TOMBSTONES_MAX:
             break
-        del _tombstones[oldest]
-    _tombstones[key] = now + TOMBSTONE_S
+        del tombstones[oldest]
+    tombstones[key] = now + TOMBSTONE_S
 
 
 def running_calls() -> list[Running]:
     """The calls this worker runs now, oldest first."""
-    with _lock:
-        calls = list(_running.values())
-    return sorted(calls, key=lambda state: state.started)
+    calls = _runtime.part(Calls)
+    with calls.lock:
+        running = list(calls.running.values())
+    return sorted(running, key=lambda state: state.started)
 
 
 def bookkeeping() -> dict[str, int]:
@@ -242,20 +259,26 @@ def bookkeeping() -> dict[str, int]:
     `running` leaves out the call that asks, when a call asks.
     """
     asking = current()
-    with _lock:
-        running = len(_running) - (asking is not None and asking.key in _running)
-        return {"running": running, "tombstones": len(_tombstones), "ended": len(_ended)}
+    calls = _runtime.part(Calls)
+    with calls.lock:
+        running = len(calls.running) - (asking is not None and asking.key in calls.running)
+        return {
+            "running": running,
+            "tombstones": len(calls.tombstones),
+            "ended": len(calls.ended),
+        }
 
 
 def current() -> Running | None:
     """The call this thread runs now, if any."""
-    return getattr(_current, "state", None)
+    return _runtime.THREAD.call  # type: ignore[no-any-return]
 
 
 def enter(state: Running | None) -> Running | None:
     """Make `state` this thread's current call; returns the one to put back."""
-    before = getattr(_current, "state", None)
-    _current.state = state
+    thread = _runtime.THREAD
+    before: Running | None = thread.call
+    thread.call = state
     return before
 
 
@@ -272,8 +295,8 @@ def cancelled() -> bool:
                     return None  # the caller gets CancelledError anyway
                 work(q)
     """
-    state = getattr(_current, "state", None)
-    return state is not None and state.cancelled
+    state = _runtime.THREAD.call
+    return state is not None and bool(state.cancelled)
 
 
 # ---- the watcher: cancels addressed to this worker, taken from the store -------------------
@@ -297,7 +320,6 @@ class _Watcher:
         self.member: Callable[[str], None] | None = None  # "member ..." texts (_membership)
 
 
-_watcher = _Watcher()
 Answer = Callable[[str], str]  # a request's kind -> the answer (JSON text)
 
 
@@ -316,14 +338,16 @@ def watch(
     it ends what the world set up, or returns False when someone else does.
     `member(text)` takes the news of a world that heals ("member gone ...").
     """
-    with _watcher.lock:
+    calls = _runtime.part(Calls)
+    watcher = calls.watcher
+    with watcher.lock:
         if answer is not None:
-            _watcher.answer = answer
+            watcher.answer = answer
         if member is not None:
-            _watcher.member = member
-        if _watcher.started or not _torch.agent_running():
+            watcher.member = member
+        if watcher.started or not _torch.agent_running():
             return
-        _watcher.started = True  # also when it cannot start: calls must not retry each time
+        watcher.started = True  # also when it cannot start: calls must not retry each time
         try:
             root = _torch.root_store(_torch.agent_store())
             store = _torch.PrefixStore(prefix, root)
@@ -332,7 +356,7 @@ def watch(
         except Exception:  # an agent without a store: cancels cannot reach this worker
             return
         thread = threading.Thread(
-            target=_watch, args=(listening, rank), name="asyncrpc-cancels", daemon=True
+            target=_watch, args=(watcher, listening, rank), name="asyncrpc-cancels", daemon=True
         )
         # A thread still inside torch's store when the interpreter finalizes aborts the
         # process, so the watcher must stop first, also when the program never calls
@@ -341,33 +365,34 @@ def watch(
         # (An atexit hook would stay registered, and leave a slot behind per world.)
         done = threading.Event()
         guard = threading.Thread(
-            target=_guard, args=(done, agent_gone), name="asyncrpc-exit-guard", daemon=False
+            target=_guard, args=(calls, done, agent_gone), name="asyncrpc-exit-guard", daemon=False
         )
-        _watcher.thread, _watcher.rank, _watcher.store = thread, rank, store
-        _watcher.guard, _watcher.done = guard, done
-        _watcher.address, _watcher.prefix = _torch.store_address(root), prefix
+        watcher.thread, watcher.rank, watcher.store = thread, rank, store
+        watcher.guard, watcher.done = guard, done
+        watcher.address, watcher.prefix = _torch.store_address(root), prefix
         thread.start()
         guard.start()
 
 
 def watching() -> bool:
     """True once this worker's watcher has been started (or could not be)."""
-    return _watcher.started
+    return _runtime.part(Calls).watcher.started
 
 
 def side_channel() -> tuple[Any, str | None, str] | None:
     """(store, address, prefix) of this worker's side channel while it watches, else None."""
-    with _watcher.lock:
-        if _watcher.store is None:
+    watcher = _runtime.part(Calls).watcher
+    with watcher.lock:
+        if watcher.store is None:
             return None
-        return _watcher.store, _watcher.address, _watcher.prefix
+        return watcher.store, watcher.address, watcher.prefix
 
 
-def _guard(done: threading.Event, agent_gone: Callable[[], bool] | None) -> None:
+def _guard(calls: Calls, done: threading.Event, agent_gone: Callable[[], bool] | None) -> None:
     main = threading.main_thread()
     while not done.wait(_GUARD_POLL_S):
         if not main.is_alive():  # the interpreter is exiting: it waits for this thread
-            stop_watching()
+            _stop(calls)
             return
         if agent_gone is not None and not _torch.agent_running() and agent_gone():
             return  # torch's own shutdown ended the world; agent_gone stopped the watcher
@@ -375,17 +400,22 @@ def _guard(done: threading.Event, agent_gone: Callable[[], bool] | None) -> None
 
 def stop_watching() -> None:
     """Stop this worker's watcher once its world has ended (a message wakes it)."""
-    with _watcher.lock:
-        thread, rank, store = _watcher.thread, _watcher.rank, _watcher.store
-        guard, done = _watcher.guard, _watcher.done
-        _watcher.started, _watcher.thread, _watcher.store, _watcher.guard = (
+    _stop(_runtime.part(Calls))
+
+
+def _stop(calls: Calls) -> None:
+    watcher = calls.watcher
+    with watcher.lock:
+        thread, rank, store = watcher.thread, watcher.rank, watcher.store
+        guard, done = watcher.guard, watcher.done
+        watcher.started, watcher.thread, watcher.store, watcher.guard = (
             False, None, None, None,
         )  # fmt: skip
-        _watcher.answer, _watcher.address, _watcher.member = None, None, None
-    with _lock:
-        _tombstones.clear()
-        _ended.clear()
-        _ended_keys.clear()
+        watcher.answer, watcher.address, watcher.member = None, None, None
+    with calls.lock:
+        calls.tombstones.clear()
+        calls.ended.clear()
+        calls.ended_keys.clear()
     done.set()
     if guard is not None and guard is not threading.current_thread():
         guard.join(_JOIN_S)
@@ -398,7 +428,7 @@ def stop_watching() -> None:
     thread.join(_JOIN_S)
 
 
-def _watch(store: Any, rank: int) -> None:
+def _watch(watcher: _Watcher, store: Any, rank: int) -> None:
     forever = datetime.timedelta(days=365)
     for number in itertools.count(1):
         key = f"queue/{rank}/{number}"
@@ -412,9 +442,9 @@ def _watch(store: Any, rank: int) -> None:
             return
         try:
             if text.startswith("ask "):
-                _answer(store, text)
+                _answer(watcher, store, text)
             elif text.startswith("member "):
-                member = _watcher.member
+                member = watcher.member
                 if member is not None:
                     member(text)
             else:
@@ -423,10 +453,10 @@ def _watch(store: Any, rank: int) -> None:
             continue
 
 
-def _answer(store: Any, text: str) -> None:
+def _answer(watcher: _Watcher, store: Any, text: str) -> None:
     """`ask <kind> <reply key>`: answer into the reply key (an error's text if it fails)."""
     _, kind, reply = text.split(" ", 2)
-    answer = _watcher.answer
+    answer = watcher.answer
     try:
         payload = answer(kind) if answer is not None else '{"error": "not answering yet"}'
     except Exception as exc:

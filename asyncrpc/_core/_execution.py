@@ -41,10 +41,10 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.futures import Future
 
-from . import _cancel, _torch
+from . import _cancel, _runtime, _torch
 from ._errors import AwaitedNonFutureError, CancelledError, NotAFutureError
 from ._failures import Failure, capture, check_reply, label_of
-from ._futures import await_future, completed, driving, new_future
+from ._futures import await_future, completed, new_future
 from ._world import current_world, describe_self
 
 __all__ = [
@@ -147,7 +147,6 @@ def run_python(
 
 # The Future an async_execution wrapper returns next goes straight back to an
 # asyncrpc caller (run_python_async asks): it carries failures in asyncrpc's form.
-_reply = threading.local()
 
 
 def run_python_async(
@@ -162,13 +161,14 @@ def run_python_async(
     if key and state is None:
         return completed(_cancelled(func, args, before=True))
     outer = _cancel.enter(state)
-    _reply.asked, _reply.made = True, None
+    thread = _runtime.THREAD
+    thread.asked, thread.made = True, None
     try:
         result = func(*args, **kwargs)
     except Exception as exc:
         result = completed(_captured(exc, _called(func, args), False))
     finally:
-        made, _reply.asked, _reply.made = _reply.made, False, None
+        made, thread.asked, thread.made = thread.made, False, None
         _cancel.enter(outer)
         if state is not None:
             state.thread = None  # from here it runs on callbacks, not on this RPC thread
@@ -214,14 +214,15 @@ _torch.mark_async(run_python_async, run_python_async)
 
 def _for_torch() -> bool:
     """Called as one of our wrappers starts: False when run_python_async called it."""
-    asked = getattr(_reply, "asked", False)
-    _reply.asked = False
+    thread = _runtime.THREAD
+    asked = thread.asked
+    thread.asked = False
     return not asked
 
 
 def _made(out: Future[Any], for_torch: bool) -> Future[Any]:
     if not for_torch:
-        _reply.made = out
+        _runtime.THREAD.made = out
     return out
 
 
@@ -444,7 +445,8 @@ class _Task:
 
     def _step(self, error: BaseException | None) -> tuple[Any, bool]:
         outer_state = _cancel.enter(self.state)
-        outer, driving.active = getattr(driving, "active", False), True
+        thread = _runtime.THREAD
+        outer, thread.driving = thread.driving, True
         if self.state is not None:
             self.state.thread = threading.get_ident()  # runs here until its next await
         try:
@@ -461,7 +463,7 @@ class _Task:
                     self._await(awaited)
                     return None, False
         finally:
-            driving.active = outer
+            thread.driving = outer
             _cancel.enter(outer_state)
             if self.state is not None:
                 self.state.thread = None

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from torch.futures import Future
 
-from . import _torch
+from . import _runtime, _torch
 from ._errors import CancelledError
 from ._failures import check_reply, hold
 
@@ -46,7 +46,6 @@ __all__ = [
     "call_later",
     "chain",
     "completed",
-    "driving",
     "enable_await",
     "failed",
     "gather",
@@ -493,15 +492,12 @@ def enable_await() -> None:
 
 # ---- making torch Futures awaitable --------------------------------------------------
 
-# True on a thread that is driving an async_execution coroutine (see _execution).
-driving = threading.local()
-
 
 def await_future(fut: Future[Any]) -> Generator[Any, None, Any]:
     """torch Future's `__await__` (see the module doc)."""
     if not fut.done():
         _torch.check_guard(fut)  # a Future that can never complete fails the await now
-        loop = None if getattr(driving, "active", False) else _running_loop()
+        loop = None if _runtime.THREAD.driving else _running_loop()
         if loop is None:
             yield fut  # an async_execution _Task resumes us when fut is done
         else:

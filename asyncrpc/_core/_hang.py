@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from . import _cancel, _side, _waits
+from . import _cancel, _runtime, _side, _waits
 from ._failures import label_of
 from ._futures import call_later
 
-__all__ = ["QUEUE_MAX", "stop", "watch", "watch_future"]
+__all__ = ("QUEUE_MAX", "Reporter", "stop", "watch", "watch_future")
 
 QUEUE_MAX = 256
 _ASK_S = 3.0  # how long the reporter waits for the workers' dumps
@@ -47,14 +47,22 @@ _NOT_USERS = (
 )
 
 
-class _Reporter:
+class Reporter:
+    """This world's hang reporter (a part of `_runtime`): its thread, started on the
+    first report, and the reports waiting for it; `close` ends the thread."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.jobs: queue.Queue[tuple[Any, ...] | None] = queue.Queue(QUEUE_MAX)
 
-
-_reporter = _Reporter()
+    def close(self) -> None:
+        with self.lock:
+            thread, self.thread = self.thread, None
+            jobs, self.jobs = self.jobs, queue.Queue(QUEUE_MAX)
+        if thread is not None:
+            jobs.put(None)
+            thread.join(_ASK_S + 1)
 
 
 def watch(reply: Any, seconds: float, queues: tuple[int, ...]) -> None:
@@ -92,27 +100,23 @@ def _due(ref: weakref.ref[Any], seconds: float, queues: tuple[int, ...]) -> None
     if reply is None or not reply.pending():
         return
     job = (reply.worker, reply.label, reply.key, seconds, queues)
-    with _reporter.lock:
-        if _reporter.thread is None:
-            _reporter.thread = threading.Thread(
-                target=_report_loop, args=(_reporter.jobs,), name="asyncrpc-hang-reports",
+    reporter = _runtime.part(Reporter)
+    with reporter.lock:
+        if reporter.thread is None:
+            reporter.thread = threading.Thread(
+                target=_report_loop, args=(reporter.jobs,), name="asyncrpc-hang-reports",
                 daemon=True,
             )  # fmt: skip
-            _reporter.thread.start()
+            reporter.thread.start()
     try:
-        _reporter.jobs.put_nowait(job)
+        reporter.jobs.put_nowait(job)
     except queue.Full:
         pass  # enough reports are waiting to be written: this one adds nothing new
 
 
 def stop() -> None:
     """End the reporter thread (the world has ended)."""
-    with _reporter.lock:
-        thread, _reporter.thread = _reporter.thread, None
-        jobs, _reporter.jobs = _reporter.jobs, queue.Queue(QUEUE_MAX)
-    if thread is not None:
-        jobs.put(None)
-        thread.join(_ASK_S + 1)
+    _runtime.part(Reporter).close()
 
 
 def _report_loop(jobs: queue.Queue[tuple[Any, ...] | None]) -> None:

@@ -33,10 +33,11 @@ import tempfile
 import time
 from typing import Any, NamedTuple
 
-__all__ = ["Healing", "folder", "folders", "process_started", "register", "unregister", "worlds"]
+from . import _runtime
+
+__all__ = ("Healing", "folder", "folders", "process_started", "register", "unregister", "worlds")
 
 _logger = logging.getLogger("asyncrpc")
-_warned = [False]  # this process has said it runs unregistered
 
 
 def folders() -> list[pathlib.Path]:
@@ -130,9 +131,9 @@ def register(
 
 
 def _unregistered(tried: list[str]) -> None:
-    if _warned[0]:
+    if _runtime.SLOT.warned_unregistered:
         return
-    _warned[0] = True
+    _runtime.SLOT.warned_unregistered = True
     _logger.warning(
         "this worker runs unregistered, so asyncrpc-dump and asyncrpc-top on this "
         "machine cannot find its world: no folder for its registration can be written (tried "

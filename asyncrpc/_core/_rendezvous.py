@@ -31,6 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import _runtime
 from ._errors import DuplicateNameError, RendezvousError, WorldSizeMismatchError
 from ._net import listen_on
 from ._torch import PrefixStore, Store, TCPStore
@@ -48,8 +49,14 @@ HANDOFF_URL = "asyncrpc-store://"
 _POLL_S = 0.02
 _LINGER_S = 30.0  # the longest a refusing host waits for its peers to read the verdict
 _SETTLE_S = 2.0  # ... and for a peer that never joins
-_handoff: dict[str, Any] = {}
-_handoff_lock = threading.Lock()
+
+
+class Handoff:
+    """The store `hand_off` gives torch's next `init_rpc` (a part of `_runtime`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.world: tuple[Store, int, int] | None = None
 
 
 def host_store(host: str, port: int, timeout: float) -> TCPStore:
@@ -223,13 +230,21 @@ def _check_unique(names: tuple[str, ...]) -> None:
 
 def handoff_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
     """torch's rendezvous handler for `asyncrpc-store://` (registered while a world runs)."""
-    with _handoff_lock:
-        store, rank, world_size = _handoff.pop("world")
-    yield store, rank, world_size
+    yield _take_handoff()  # torch keeps this generator: it must not hold the part
+
+
+def _take_handoff() -> tuple[Store, int, int]:
+    handoff = _runtime.part(Handoff)
+    with handoff.lock:
+        given, handoff.world = handoff.world, None
+    if given is None:
+        raise KeyError("world")  # no store was handed off
+    return given
 
 
 def hand_off(store: Store, rank: int, world_size: int) -> str:
     """Make `store` the next one torch's `init_rpc` rendezvous returns; give its URL."""
-    with _handoff_lock:
-        _handoff["world"] = (store, rank, world_size)
+    handoff = _runtime.part(Handoff)
+    with handoff.lock:
+        handoff.world = (store, rank, world_size)
     return HANDOFF_URL

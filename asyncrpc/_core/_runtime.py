@@ -1,4 +1,4 @@
-"""Where a world's state lives: one `Runtime` per world, each module's part in it.
+"""Where process state lives: one `Runtime` per world, each module's part in it.
 
 Every module that keeps state for the world it serves (calls in flight,
 cancel keys, producers of streams, torch's patches, the trace being
@@ -17,9 +17,11 @@ trace recorded from the start). Its class takes no arguments; a `close()`
 method, if it has one, stops what it started (threads, watchers) and must
 not raise.
 
-Process-lifetime caches that hold nothing of a world (the kinds of
-callables, failure subclasses made per remote type) stay in their modules;
-docs/design.md lists them.
+What is not a world's hangs from the same slot: `THREAD`, what each thread
+is doing now (the call it runs, whether it drives a coroutine), and
+`SLOT`'s process-wide settings. Process-lifetime caches that hold nothing
+of a world (the kinds of callables, failure subclasses made per remote
+type) stay in their modules; docs/design.md lists them.
 """
 
 from __future__ import annotations
@@ -27,18 +29,24 @@ from __future__ import annotations
 import threading
 from typing import Any, TypeVar
 
-__all__ = ("SLOT", "Runtime", "end", "part")
+__all__ = ("SLOT", "THREAD", "Runtime", "end", "part")
 
 P = TypeVar("P")
 
 
 class Runtime:
-    """The state of one world: an instance of each part's class, made on first use."""
+    """The state of one world: the world itself, and each part, made on first use.
 
-    __slots__ = ("__weakref__", "_lock", "closed", "parts")
+    `world`: the `_world.World` asyncrpc started, or torch's world once
+    adopted (`adopted`: torch's agent and the World read from it).
+    """
+
+    __slots__ = ("__weakref__", "_lock", "adopted", "closed", "parts", "world")
 
     def __init__(self) -> None:
         self.parts: dict[type[Any], Any] = {}
+        self.world: Any = None
+        self.adopted: tuple[object, Any] | None = None
         self.closed = False
         self._lock = threading.Lock()
 
@@ -63,16 +71,42 @@ class Runtime:
                 close()
 
 
-class _Slot:
-    """The one place process state hangs from: the runtime of the world now."""
+class _Process:
+    """The one place process state hangs from: the runtime of the world now, and settings.
 
-    __slots__ = ("runtime",)
+    `lock`: worlds start and end under it, one at a time. `shut_down`: the
+    last world ended by `shutdown` (errors say so). `log_unwaited`: failures
+    nobody read are logged (`_unwaited`), in every world of this process.
+    `warned_unregistered`: this process has said once that it runs without a
+    registration for asyncrpc-dump (`_registry`).
+    """
+
+    __slots__ = ("lock", "log_unwaited", "runtime", "shut_down", "warned_unregistered")
 
     def __init__(self) -> None:
         self.runtime = Runtime()
+        self.lock = threading.Lock()
+        self.shut_down = False
+        self.log_unwaited = False
+        self.warned_unregistered = False
 
 
-SLOT = _Slot()
+class _Thread(threading.local):
+    """What one thread is doing now (each thread sees its own; these are the defaults).
+
+    `call`: the `_cancel.Running` call it runs. `driving`: it drives an
+    `async_execution` coroutine (`_futures`). `asked`/`made`: a reply the
+    function it runs made early (`_execution`).
+    """
+
+    call: Any = None
+    driving = False
+    asked = False
+    made: Any = None
+
+
+SLOT = _Process()
+THREAD = _Thread()
 
 
 def part(kind: type[P]) -> P:
@@ -93,14 +127,15 @@ def part(kind: type[P]) -> P:
         return SLOT.runtime.make(kind)
 
 
-def end() -> None:
-    """End the world's state: close its parts, then a fresh runtime for what comes next.
+def end(runtime: Runtime | None = None) -> None:
+    """End a world's state (the current one by default): close its parts, then a fresh one.
 
     Closed first, while the world is still visible: what a part's `close`
     runs (a stream generator's `finally`) may still ask for its context.
-    Ending twice is ending once.
+    Ending twice is ending once; ending a runtime that is no longer current
+    only closes it.
     """
-    ended = SLOT.runtime
+    ended = SLOT.runtime if runtime is None else runtime
     ended.close()
     if SLOT.runtime is ended:
         SLOT.runtime = Runtime()

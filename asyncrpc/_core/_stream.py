@@ -33,13 +33,13 @@ from typing import Any, Generic, TypeVar, cast
 
 from torch.futures import Future
 
-from . import _activity, _calls, _cancel, _stream_items, _torch, _world
+from . import _activity, _calls, _cancel, _runtime, _stream_items, _torch, _world
 from ._errors import CancelledError, SerializationError
 from ._execution import start_coroutine
 from ._failures import Failure, capture, check_reply, hold, label_of
 from ._futures import completed, new_future
 
-__all__ = ["DEFAULT_WINDOW", "Stream", "check_window", "open_producers", "stream"]
+__all__ = ("DEFAULT_WINDOW", "Producers", "Stream", "check_window", "open_producers", "stream")
 
 T = TypeVar("T")
 DEFAULT_WINDOW = 32
@@ -354,19 +354,38 @@ class _Producer:
 
 
 _CLOSE_S = 2.0  # how long the world's end waits for a generator's finally
-_producers: dict[int, _Producer] = {}
-_producers_lock = threading.Lock()
-# Streams closed before their first pull arrived (bounded: the oldest go first).
-_closed_early: collections.OrderedDict[int, bool] = collections.OrderedDict()
+
+
+class Producers:
+    """The generators this worker runs for others' streams (a part of `_runtime`).
+
+    `close` closes the ones nobody closed (their consumers died) as the world ends.
+    """
+
+    def __init__(self) -> None:
+        self.open: dict[int, _Producer] = {}
+        self.lock = threading.Lock()
+        # Streams closed before their first pull arrived (bounded: the oldest go first).
+        self.closed_early: collections.OrderedDict[int, bool] = collections.OrderedDict()
+
+    def close(self) -> None:
+        _close_all(self)
+
+    def counted(self) -> None:
+        """Tell `_activity` how many are open (under `lock`)."""
+        _runtime.part(_activity.Activity).streams = len(self.open)
+
+
 _CLOSED_EARLY_KEPT = 4096
 
 
 def _pull(key: int, opener: tuple[Any, ...] | None, n: int) -> Future[Any]:
     """One pull: the items ready (up to `n`, the credit), whether it ended, its failure."""
-    producer = _producers.get(key)
+    producers = _runtime.part(Producers)
+    producer = producers.open.get(key)
     if producer is None:
-        with _producers_lock:
-            closed_first = _closed_early.pop(key, None) is not None
+        with producers.lock:
+            closed_first = producers.closed_early.pop(key, None) is not None
         if opener is None or closed_first:
             return completed(([], True, None))  # closed meanwhile: an ended stream
         opened = _open(key, *opener)
@@ -399,11 +418,11 @@ def _open(
     except Exception as exc:
         return capture(exc, _world.describe_self(), label)
     producer = _Producer(gen, label)
-    with _producers_lock:
-        _producers[key] = producer
-    _activity.count_streams_with(open_producers)
-    _world.at_world_end(_close_all)
-    world = _world._world
+    producers = _runtime.part(Producers)
+    with producers.lock:
+        producers.open[key] = producer
+        producers.counted()
+    world = _world.running_world()
     if world is not None and world.members is not None:  # a world that heals
         world.members.on_gone(_close_from)
     if inspect.isasyncgen(gen):
@@ -488,12 +507,14 @@ def _close(key: int) -> None:
     A close may overtake the pull that opens the stream (two calls, two RPC
     threads): its key is then kept, and that pull opens nothing.
     """
-    with _producers_lock:
-        producer = _producers.pop(key, None)
+    producers = _runtime.part(Producers)
+    with producers.lock:
+        producer = producers.open.pop(key, None)
+        producers.counted()
         if producer is None:
-            _closed_early[key] = True
-            while len(_closed_early) > _CLOSED_EARLY_KEPT:
-                _closed_early.popitem(last=False)
+            producers.closed_early[key] = True
+            while len(producers.closed_early) > _CLOSED_EARLY_KEPT:
+                producers.closed_early.popitem(last=False)
     if producer is None:
         return
     with producer.cond:
@@ -508,31 +529,33 @@ def _close(key: int) -> None:
             _torch.cancel(target)
 
 
-def _close_all() -> None:
+def _close_all(producers: Producers) -> None:
     """Close the generators of streams nobody closed (their consumers died), as the world ends."""
-    threads = [p.thread for p in list(_producers.values()) if p.thread is not None]
-    for key in list(_producers):
+    threads = [p.thread for p in list(producers.open.values()) if p.thread is not None]
+    for key in list(producers.open):
         _close(key)
-    with _producers_lock:
-        _closed_early.clear()
+    with producers.lock:
+        producers.closed_early.clear()
     for thread in threads:  # the process may exit next: let their finally blocks run
         thread.join(_CLOSE_S)
 
 
 def _close_from(torch_id: int) -> None:
     """A consumer's process died (a world that heals): close the streams it left open."""
-    for key in list(_producers):
+    for key in list(_runtime.part(Producers).open):
         if key >> _cancel.KEY_BITS == torch_id:
             _close(key)
 
 
 def _forget_if_ended(key: int, producer: _Producer, reply: Future[Any]) -> None:
     if reply.value()[1]:  # the reply that told the consumer it ended
-        with _producers_lock:
-            if _producers.get(key) is producer:
-                del _producers[key]
+        producers = _runtime.part(Producers)
+        with producers.lock:
+            if producers.open.get(key) is producer:
+                del producers.open[key]
+                producers.counted()
 
 
 def open_producers() -> int:
     """How many generators this worker holds open for streams (for tests and checks)."""
-    return len(_producers)
+    return len(_runtime.part(Producers).open)

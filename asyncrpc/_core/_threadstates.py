@@ -39,14 +39,28 @@ import threading
 
 import torch.distributed.rpc as rpc
 
-__all__ = ["forget", "keep", "kept"]
+from . import _runtime
+
+__all__ = ("Kept", "forget", "keep", "kept")
 
 _log = logging.getLogger("asyncrpc")
-# (pid, thread ident) of the RPC threads holding a kept state. Only the thread
-# itself adds its key, so no lock: a lock held across a fork would stay held.
-_held: set[tuple[int, int]] = set()
-_rounds: dict[int, _Round] = {}
-_tokens = itertools.count(1)
+
+
+class Kept:
+    """This world's record of kept thread states (a part of `_runtime`).
+
+    `close` drops the record as the world ends; the states stay with their threads.
+    """
+
+    def __init__(self) -> None:
+        # (pid, thread ident) of the RPC threads holding a kept state. Only the thread
+        # itself adds its key, so no lock: a lock held across a fork would stay held.
+        self.held: set[tuple[int, int]] = set()
+        self.rounds: dict[int, _Round] = {}
+        self.tokens = itertools.count(1)
+
+    def close(self) -> None:
+        self.held.clear()
 
 
 class _Round:
@@ -66,8 +80,9 @@ def keep(name: str, threads: int, timeout: float = 2.0) -> int:
     """
     if sys.implementation.name != "cpython" or threads < 1:
         return kept()
-    token = next(_tokens)
-    _rounds[token] = this = _Round(threads)
+    record = _runtime.part(Kept)
+    token = next(record.tokens)
+    record.rounds[token] = this = _Round(threads)
     try:
         for _ in range(threads):
             rpc.rpc_async(name, _on_rpc_thread, args=(token, timeout), timeout=timeout + 1)
@@ -75,7 +90,7 @@ def keep(name: str, threads: int, timeout: float = 2.0) -> int:
     except RuntimeError as error:  # the agent refused a self-call: calls work as torch's do
         _log.warning("could not keep the RPC threads' Python states: %s", error)
     finally:
-        del _rounds[token]
+        del record.rounds[token]
     count = kept()
     if count < threads:
         _log.debug("%d of %d RPC threads hold a kept state; busy ones follow", count, threads)
@@ -85,21 +100,22 @@ def keep(name: str, threads: int, timeout: float = 2.0) -> int:
 def kept() -> int:
     """How many of this process's threads hold a state that `keep` gave them."""
     pid = os.getpid()
-    return sum(1 for owner, _ in tuple(_held) if owner == pid)
+    return sum(1 for owner, _ in tuple(_runtime.part(Kept).held) if owner == pid)
 
 
 def forget() -> None:
     """Drop the record of kept states as a world ends (the states stay with their threads)."""
-    _held.clear()
+    _runtime.part(Kept).close()
 
 
 def _on_rpc_thread(token: int, timeout: float) -> None:
     """On an RPC thread: give it a state for good, then wait for the other threads."""
     key = (os.getpid(), threading.get_ident())
-    if key not in _held:
+    record = _runtime.part(Kept)
+    if key not in record.held:
         _gil_state_ensure()
-        _held.add(key)
-    this = _rounds.get(token)
+        record.held.add(key)
+    this = record.rounds.get(token)
     if this is not None:
         try:
             this.barrier.wait(timeout)

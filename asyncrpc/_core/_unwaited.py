@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 
-from . import _torch
+from . import _runtime, _torch
 from ._failures import label_of, name_failure
 
-__all__ = ["log_unwaited_failures", "unwaited_logging", "watch_unwaited"]
+__all__ = ("log_unwaited_failures", "unwaited_logging", "watch_unwaited")
 
 _logger = logging.getLogger("asyncrpc")
-_unwaited = [False]
 
 
 def log_unwaited_failures(enabled: bool = True) -> None:
@@ -35,12 +34,12 @@ def log_unwaited_failures(enabled: bool = True) -> None:
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True or False, got {enabled!r}")
-    _unwaited[0] = enabled
+    _runtime.SLOT.log_unwaited = enabled
 
 
 def unwaited_logging() -> bool:
     """True when failures nobody waited for are logged (`log_unwaited_failures`)."""
-    return _unwaited[0]
+    return _runtime.SLOT.log_unwaited
 
 
 def watch_unwaited(fut: object, worker: str, func: object) -> None:

@@ -23,23 +23,22 @@ import dataclasses
 import gc
 import math
 import os
-import socket
 import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 import torch.distributed.rpc as rpc
 
 from . import (
     _cancel,
+    _environ,
     _forks,
-    _hang,
+    _healing,
     _membership,
-    _net,
     _registry,
     _rendezvous,
+    _runtime,
     _snapshot,
     _threadstates,
     _torch,
@@ -72,8 +71,6 @@ __all__ = [
     "target",
 ]
 
-_LOOPBACK = "127.0.0.1"
-
 
 @dataclasses.dataclass
 class World:
@@ -83,9 +80,7 @@ class World:
     threads: int  # RPC threads serving incoming calls
     store: Store | None = None  # None in a world torch started
     settings: Settings | None = None
-    restore: list[tuple[str, str | None]] = dataclasses.field(default_factory=list)
-    intra_op_before: int | None = None
-    froze_gc: bool = False  # this world froze the heap (gc.freeze); its shutdown thaws it
+    changes: _environ.Changes = dataclasses.field(default_factory=_environ.Changes)
     liveness: Liveness | None = None  # the peers' heartbeats (launched and init worlds)
     registration: str | None = None  # this worker's file for asyncrpc-dump/top (_registry)
     hang_after: float | None = None  # Settings.hang_report_after, or ASYNCRPC_HANG_REPORT_AFTER
@@ -102,6 +97,8 @@ class World:
     # What undoes the world: each step of `start` pushes its undo once done, and a
     # failed start and `shutdown` both unwind this one stack.
     stack: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
+    # Where the world's state lives (`_runtime`): its parts end with it.
+    runtime: _runtime.Runtime = dataclasses.field(default_factory=lambda: _runtime.SLOT.runtime)
 
     def info(self, name: str) -> WorkerInfo:
         """torch's WorkerInfo of worker `name` (one of `context.names`).
@@ -115,12 +112,6 @@ class World:
         if found is None:
             found = self.infos[name] = rpc.get_worker_info(name)
         return found
-
-
-_world: World | None = None
-_adopted: tuple[object, World] | None = None  # (torch's agent, the world read from it)
-_was_shut_down = False
-_lock = threading.Lock()
 
 
 def current_context() -> Context:
@@ -137,7 +128,7 @@ def current_context() -> Context:
 
 def current_world(what: str) -> World:
     """The running world, started by asyncrpc or by torch; NotInitializedError outside one."""
-    world = _world
+    world: World | None = _runtime.SLOT.runtime.world
     if world is not None:
         return world
     if not _torch.agent_running():
@@ -145,26 +136,30 @@ def current_world(what: str) -> World:
     return _adopt()
 
 
+def running_world() -> World | None:
+    """The world asyncrpc started or adopted, if one runs now (None: none, or not adopted yet)."""
+    world: World | None = _runtime.SLOT.runtime.world
+    return world
+
+
 def _adopt() -> World:
-    global _adopted
     agent = _torch.current_agent()
-    cached = _adopted
+    runtime = _runtime.SLOT.runtime
+    cached = runtime.adopted
     if cached is not None and cached[0] is agent:
-        return cached[1]
+        adopted: World = cached[1]
+        return adopted
     infos = _torch.worker_infos()
     me = rpc.get_worker_info()
     names = tuple(str(info.name) for info in infos)
     context = Context(int(me.id), len(names), str(me.name), names, _leave=_leave)
     world = World(context, _torch.agent_threads(), hang_after=_hang_after_from_env())
     world.key_rank = int(me.id)
+    world.stack.callback(_end_runtime, runtime)  # torch's patches, the watcher, ...
     _install_hooks()  # first: a world is only cached once torch is patched for it
-    world.stack.callback(_torch.uninstall)
-    _adopted = (agent, world)
-    world.stack.callback(_cancel.stop_watching)
+    runtime.adopted = (agent, world)
     world.stack.callback(_unregister, world)
     _watch(world, _cancel.SIDE_PREFIX, agent_gone=_torch_shut_down)
-    if world.hang_after:
-        world.stack.callback(_hang.stop)
     return world
 
 
@@ -174,14 +169,17 @@ def _torch_shut_down() -> bool:
     Called by the side channel's guard thread; False while a shutdown of
     asyncrpc's own holds the lock (that one ends the world).
     """
-    if not _lock.acquire(blocking=False):
+    lock = _runtime.SLOT.lock
+    if not lock.acquire(blocking=False):
         return False
     try:
-        if _world is None and _adopted is not None and not _torch.agent_running():
-            _end_world(_adopted[1], left=True)
+        runtime = _runtime.SLOT.runtime
+        adopted = runtime.adopted
+        if runtime.world is None and adopted is not None and not _torch.agent_running():
+            _end_world(adopted[1], left=True)
         return True
     finally:
-        _lock.release()
+        lock.release()
 
 
 def _hang_after_from_env() -> float | None:
@@ -213,7 +211,7 @@ def _watch(
     reporter = _snapshot.Reporter(
         ctx.rank, ctx.names, world.threads, attempt=ctx.attempt, members=lambda: world.members
     )
-    _cancel.watch(prefix, reporter, agent_gone, member=_member_news)
+    _cancel.watch(prefix, reporter, agent_gone, member=_healing.news)
     channel = _cancel.side_channel()
     if channel is None or world.registration is not None:
         return
@@ -248,7 +246,7 @@ def _check_fork(owner: Any, sender: int | None = None) -> bool:
     a fork that involves a dead process is refused here first. Cheap where
     nothing died: one attribute read. True in a world that heals.
     """
-    world = _world
+    world = running_world()
     members = world.members if world is not None else None
     if members is None:
         return False
@@ -269,7 +267,7 @@ def _check_fork(owner: Any, sender: int | None = None) -> bool:
 
 def _reduce_rref(py_rref: Any, to: int, keep: list[Any]) -> Any:
     """An RRef pickled into an asyncrpc call to torch id `to` (see `_forks`)."""
-    world = _world
+    world = running_world()
     if world is None or world.members is None:
         _check_fork(py_rref)
         return None
@@ -282,7 +280,7 @@ def owner_of(rref: Any, what: str) -> str:
     `what` names the object in the error ("the object of this handle").
     """
     owner = _torch.rref_owner(rref)
-    world = _world
+    world = running_world()
     if world is not None and world.members is not None:
         owner_id = owner if isinstance(owner, int) else int(owner.id)
         world.members.check_owner(owner_id, what)
@@ -332,7 +330,7 @@ def current_store() -> Store:
 
 
 def _not_running_message(what: str) -> str:
-    if _was_shut_down:
+    if _runtime.SLOT.shut_down:
         return (
             f"{what} was called after asyncrpc.shutdown(); no RPC agent runs in this "
             f"process any more"
@@ -342,16 +340,6 @@ def _not_running_message(what: str) -> str:
         f"main(ctx) given to asyncrpc.run(main, world_size=N), after asyncrpc.init(), or "
         f"after torch's rpc.init_rpc(...)"
     )
-
-
-def _from_env(key: str) -> int | None:
-    raw = os.environ.get(key)
-    if raw in (None, ""):
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
 
 
 def init(
@@ -378,10 +366,10 @@ def init(
             print(asyncrpc.rpc_sync(ctx.names[1 - r], str.upper, args=("hi",)))
     """
     settings = Settings.from_options(options)
-    rank = rank if rank is not None else _from_env("RANK")
+    rank = rank if rank is not None else _environ.from_env("RANK")
     if rank is None:
         raise ValueError("init() needs rank=..., or a RANK environment variable")
-    env_world = _from_env("WORLD_SIZE")
+    env_world = _environ.from_env("WORLD_SIZE")
     asked = resolve_world_size(world_size, roles)
     if asked is not None and env_world is not None and asked != env_world:
         raise WorldSizeMismatchError(
@@ -394,8 +382,8 @@ def init(
         raise ValueError("init() needs world_size=..., or a WORLD_SIZE environment variable")
     if not 0 <= rank < size:
         raise ValueError(f"rank must be in 0..{size - 1} for world_size={size}, got {rank}")
-    addr = master_addr or os.environ.get("MASTER_ADDR") or _LOOPBACK
-    port = master_port if master_port is not None else _from_env("MASTER_PORT")
+    addr = master_addr or os.environ.get("MASTER_ADDR") or _environ.LOOPBACK
+    port = master_port if master_port is not None else _environ.from_env("MASTER_PORT")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     hosts = rank == 0 and not agent_store
     if port is None or (port == 0 and not hosts):
@@ -437,8 +425,7 @@ def start(
     a failure at any step unwinds what the steps before it did, and so does
     `shutdown`.
     """
-    global _world, _was_shut_down
-    with _lock:
+    with _runtime.SLOT.lock:
         _refuse_second_world()
         if hosts_store:
             store = _rendezvous.host_store(master_addr, master_port, settings.init_timeout)
@@ -469,13 +456,14 @@ def start(
         except BaseException:
             world.stack.close()
             raise
-        _was_shut_down = False
+        _runtime.SLOT.shut_down = False
         return context
 
 
 def _refuse_second_world() -> None:
-    if _world is not None or _torch.agent_running():
-        name = _world.context.name if _world is not None else rpc.get_worker_info().name
+    world = running_world()
+    if world is not None or _torch.agent_running():
+        name = world.context.name if world is not None else rpc.get_worker_info().name
         raise AsyncRPCError(
             f"this process already runs RPC as {name!r}; call asyncrpc.shutdown() "
             f"(or torch's rpc.shutdown()) before starting another world"
@@ -488,29 +476,26 @@ def _build(world: World, master_addr: str, watch_peers: bool, joining: Joining |
     Pushed first, so that a step failing half-way (or interrupted) is undone
     too: every undo is a no-op for what was not done.
     """
-    global _world
     ctx, settings, stack = world.context, world.settings, world.stack
     assert settings is not None and world.store is not None
-    stack.callback(_torch.uninstall)
+    # Last to run: every part of the world's runtime closes (torch's patches, the
+    # side channel's watcher, the hang reporter, the kept thread states...).
+    stack.callback(_end_runtime, world.runtime)
     _install_hooks()
     stack.callback(_forget, world)
-    _world = world
+    world.runtime.world = world
     if settings.log_unwaited_failures is not None:
         log_unwaited_failures(settings.log_unwaited_failures)
-    stack.callback(_put_back, world)
+    stack.callback(_environ.put_back, world.changes)
     stack.callback(_stop_agent)
     _start_agent(world, master_addr, joining)
     if settings.keep_thread_states:
-        stack.callback(_threadstates.forget)
         _threadstates.keep(world.torch_name, settings.num_worker_threads)
-    stack.callback(_cancel.stop_watching)
     stack.callback(_unregister, world)
-    if world.hang_after:
-        stack.callback(_hang.stop)
     _watch(world, f"asyncrpc/{world.tag}/side/", heals=joining is not None)
     if joining is not None:
         stack.callback(world.members_known.set)
-        _join_members(world, joining)
+        _healing.join(world, joining)
     if watch_peers:
         world.liveness = Liveness(
             world.store, ctx.rank, ctx.names, world.tag, timeout=settings.heartbeat_timeout,
@@ -519,14 +504,18 @@ def _build(world: World, master_addr: str, watch_peers: bool, joining: Joining |
         stack.callback(world.liveness.stop, left=False)
         world.liveness.start()
     if settings.freeze_gc and gc.get_freeze_count() == 0:  # a program's own: kept
-        world.froze_gc = True  # first: _put_back thaws it, also if freeze fails half-way
+        world.changes.froze_gc = True  # first: put_back thaws it, also if freeze fails half-way
         gc.freeze()
 
 
+def _end_runtime(runtime: _runtime.Runtime) -> None:
+    _runtime.end(runtime)
+    _torch.uninstall()
+
+
 def _forget(world: World) -> None:
-    global _world
-    if _world is world:
-        _world = None
+    if world.runtime.world is world:
+        world.runtime.world = None
 
 
 def _stop_agent() -> None:
@@ -544,8 +533,8 @@ def _unregister(world: World) -> None:
 def _start_agent(world: World, master_addr: str, joining: Joining | None) -> None:
     ctx, settings = world.context, world.settings
     assert settings is not None and world.store is not None
-    _bind_interface(world, master_addr, ctx.world_size, settings.interface)
-    _set_intra_op_threads(world, settings.intra_op_threads)
+    _environ.bind_interface(world.changes, master_addr, ctx.world_size, settings.interface)
+    _environ.set_intra_op_threads(world.changes, settings.intra_op_threads, ctx.world_size)
     world.key_rank = joining.torch_id if joining is not None else ctx.rank
     world.torch_name = _membership.torch_name(ctx.name, world.key_rank, ctx.world_size)
     options = _torch.backend_options(
@@ -573,162 +562,6 @@ def _start_agent(world: World, master_addr: str, joining: Joining | None) -> Non
         )
 
 
-# ---- a world that heals (restart="worker"; see _membership) ----------------------------
-
-
-def _join_members(world: World, joining: Joining) -> None:
-    """After torch's join: publish this member, meet the others (or welcome them)."""
-    ctx, settings = world.context, world.settings
-    assert world.store is not None and settings is not None
-    space = _membership.heal_space(world.store, world.tag)
-    _membership.publish(space, ctx, joining.torch_id, _torch.group_key_prefix())
-    if not joining.replacement:
-        _membership.wait_for_all(space, ctx.names, settings.init_timeout)
-    members = _membership.read_members(space, ctx.names)
-    if joining.replacement:  # another member may be being replaced as this one joins
-        members.missed(_torch.known_ids())
-    world.members = members
-    world.stack.callback(members.stop)
-    world.members_known.set()
-    _membership.mark_ready(space, ctx.name)
-    if joining.replacement:
-        _welcome_all(world, settings.rpc_timeout)
-    else:  # no member's main calls one that does not know the members yet
-        _membership.wait_for_all(space, ctx.names, settings.init_timeout, key="ready")
-
-
-def _welcome_all(world: World, timeout: float) -> None:
-    """Tell every other member that this replacement is up (before `main` runs here)."""
-    ctx, members = world.context, world.members
-    assert members is not None
-    futures = []
-    for name in ctx.names:
-        if name == ctx.name or name in members.replacing:
-            continue
-        try:
-            args = (ctx.name, world.key_rank, ctx.attempt)
-            info = members.info(name)
-            futures.append(_torch.rpc_async(info, _welcome, args=args, timeout=timeout))
-        except RuntimeError:  # not in the group now: being replaced itself
-            continue
-    for fut in futures:
-        try:
-            fut.wait()
-        except Exception:  # a member that died meanwhile: its own heal follows
-            continue
-
-
-def _starting_members() -> World | None:
-    """This process's world, once it knows its members (waiting while it starts)."""
-    world = _world
-    if world is not None and world.settings is not None:
-        world.members_known.wait(world.settings.init_timeout)
-    return world
-
-
-def _welcome(name: str, torch_id: int, attempt: int) -> None:
-    """Run on a member: `name`'s replacement (torch id, attempt) has joined."""
-    world = _starting_members()
-    if world is None or world.members is None:
-        return
-    event = world.members.joined(name, torch_id, attempt)
-    if event is not None:
-        world.members.announce(event)
-        _membership.trim_heap()
-
-
-def _member_news(text: str) -> None:
-    """The side channel's "member gone" from the supervisor: forget the dead process, ack."""
-    parsed = _membership.parse_gone(text)
-    world = _starting_members()
-    if parsed is None or world is None or world.members is None or world.store is None:
-        return
-    seq, torch_id, name, why = parsed
-    if world.members.gone(name, torch_id, why):
-        # Kept in torch's group (see _membership); its pipe closed, or its sockets
-        # would stay open (CLOSE-WAIT) here for good.
-        _torch.close_pipe(_membership.torch_name(name, torch_id, world.context.world_size))
-        for hook in list(world.members.gone_hooks):
-            hook(torch_id)
-    _membership.heal_space(world.store, world.tag).set(f"{seq}/ack/{world.context.name}", "1")
-
-
-def single_node(master_addr: str, world_size: int) -> bool:
-    """True when every worker of the world runs on this machine."""
-    local = _from_env("LOCAL_WORLD_SIZE")
-    if local is not None:
-        return local == world_size
-    return _net.is_loopback(master_addr)
-
-
-def _set_env(world: World, key: str, value: str) -> None:
-    world.restore.append((key, os.environ.get(key)))
-    os.environ[key] = value
-
-
-def _put_back(world: World) -> None:
-    """Undo what starting `world` changed in this process."""
-    for key, value in reversed(world.restore):
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    world.restore.clear()
-    if world.intra_op_before is not None:
-        torch.set_num_threads(world.intra_op_before)
-    if world.froze_gc:
-        gc.unfreeze()
-        world.froze_gc = False
-
-
-def _bind_interface(
-    world: World, master_addr: str, world_size: int, interface: str | None
-) -> None:
-    # TensorPipe reads TP_SOCKET_IFNAME when the agent starts, and the Gloo group
-    # that torch's agent set-up builds reads GLOO_SOCKET_IFNAME; without them each
-    # binds the address the hostname resolves to, which may be the wrong network.
-    chosen = interface or os.environ.get("ASYNCRPC_INTERFACE")
-    if chosen is None and "TP_SOCKET_IFNAME" in os.environ:
-        if "GLOO_SOCKET_IFNAME" not in os.environ:
-            _set_env(world, "GLOO_SOCKET_IFNAME", os.environ["TP_SOCKET_IFNAME"])
-        return
-    if chosen is None:
-        if single_node(master_addr, world_size):
-            chosen = _net.interface_for(_LOOPBACK)
-        else:
-            chosen = _net.interface_for(_net.local_address_towards(master_addr, 0))
-    if chosen is None:
-        raise AsyncRPCError(
-            f"could not find the network interface to bind for master {master_addr!r}; "
-            f"pass interface='eth0' (or set ASYNCRPC_INTERFACE) with the interface name"
-        )
-    if chosen not in {n for _, n in socket.if_nameindex()}:
-        raise ValueError(
-            f"interface {chosen!r} does not exist on this host; choose one of "
-            f"{sorted(n for _, n in socket.if_nameindex())}"
-        )
-    _set_env(world, "TP_SOCKET_IFNAME", chosen)
-    _set_env(world, "GLOO_SOCKET_IFNAME", chosen)
-
-
-def _set_intra_op_threads(world: World, wanted: int | None) -> None:
-    """Set torch's intra-op threads, unless the environment chose them.
-
-    First of: `intra_op_threads=`, ASYNCRPC_INTRA_OP_THREADS, OMP_NUM_THREADS
-    (set by the user or a launcher: torch read it when it started, and the
-    count is left alone), cores // local workers (at least 1).
-    """
-    if wanted is None:
-        wanted = _from_env("ASYNCRPC_INTRA_OP_THREADS") or None
-    if wanted is None and os.environ.get("OMP_NUM_THREADS", "").strip():
-        return
-    if wanted is None:
-        local = _from_env("LOCAL_WORLD_SIZE") or world.context.world_size
-        wanted = max(1, len(os.sched_getaffinity(0)) // max(1, local))
-    world.intra_op_before = torch.get_num_threads()
-    torch.set_num_threads(wanted)
-
-
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Leave the RPC world; with `graceful`, first wait for every worker's pending work.
 
@@ -750,21 +583,20 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         finally:
             asyncrpc.shutdown()
     """
-    global _was_shut_down
-    with _lock:
-        world = _world
+    with _runtime.SLOT.lock:
+        world = running_world()
         dead_peer = None
         try:
             if world is not None or _torch.agent_running():
                 if graceful and world is not None and world.liveness is not None:
                     dead_peer = world.liveness.meet_to_leave(timeout)
                 if world is not None and world.members is not None:
-                    _leave_members(world, graceful, timeout)
+                    _healing.leave(world, graceful, timeout)
                 else:
                     # A graceful shutdown still serves peers' calls while it waits, so the
                     # world stays visible to them (current_context, call checks) until it ends.
                     rpc.shutdown(graceful=graceful and dead_peer is None, timeout=timeout)
-                _was_shut_down = True
+                _runtime.SLOT.shut_down = True
         finally:
             _end_world(world, left=dead_peer is None)
     if dead_peer is not None:
@@ -776,54 +608,21 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
 
 
 def _end_world(world: World | None, left: bool) -> None:
-    """Undo what the world set up (its stack), after torch's agent has stopped."""
-    global _world, _adopted
+    """Undo what the world set up: its runtime's parts, then its stack (agent stopped)."""
+    runtime = _runtime.SLOT.runtime
     try:
         # What ends with the world (streams' generators: their `finally` blocks)
         # still sees it: current_context() works there, in a world torch started too.
-        if _world is None and _adopted is not None:
-            _world = _adopted[1]
-        for release in list(_at_end):
-            release()
+        if runtime.world is None and runtime.adopted is not None:
+            runtime.world = runtime.adopted[1]
+        runtime.close()
     finally:
-        ended = _world if _world is not None else world
-        _world = _adopted = None
-        if ended is None:  # torch's own world, never adopted: nothing was set up but these
-            _cancel.stop_watching()
-            _torch.uninstall()
-        else:
+        ended: World | None = runtime.world if runtime.world is not None else world
+        _end_runtime(runtime)  # a fresh runtime: no world is visible from here
+        if ended is not None:
             if ended.liveness is not None:
                 ended.liveness.stop(left=left)
             ended.stack.close()
-
-
-def _leave_members(world: World, graceful: bool, timeout: float) -> None:
-    """Leave a world that heals: once every member's `main` is done, all at once.
-
-    torch's graceful leave of a dynamic group passes a token from member to
-    member, each calling every other one; a member that stalls holds the
-    token, and the others wait for it. Instead: every `main` is done (the
-    first meeting), every member has deleted its RRefs at their owners (the
-    second: nothing is in flight any more), then each stops its agent.
-    """
-    assert world.store is not None and world.members is not None
-    space = _membership.heal_space(world.store, world.tag)
-    if graceful:
-        graceful = _membership.meet_to_end(space, world.context, timeout)
-    # After a heal, a delete sent to a dead owner fails with a C++ trace and an
-    # owner then waits for deletes that never come; and torch's join of a dynamic
-    # group can wait forever for a message it sent to a process that died. So only
-    # a world never healed deletes its RRefs and joins (then the pipes peers close
-    # are expected, and torch logs nothing); a replacement knows it is one, and
-    # the survivors saw the heal.
-    members = world.members
-    healed = bool(members.lost) or any(attempt > 0 for attempt in members.attempts.values())
-    if graceful and not healed:
-        _torch.release_user_rrefs(timeout)
-        _torch.stop_serving(timeout)
-    if graceful:
-        _membership.meet_to_stop(space, len(world.context.names), timeout)
-    rpc.shutdown(graceful=False)
 
 
 def _recorded(failure: str) -> None:
@@ -838,17 +637,8 @@ def _dead_name(record: str) -> str:
 
 def current_liveness() -> Liveness | None:
     """The running world's liveness watch, if it has one."""
-    world = _world
+    world = running_world()
     return world.liveness if world is not None else None
-
-
-_at_end: list[Callable[[], None]] = []
-
-
-def at_world_end(release: Callable[[], None]) -> None:
-    """Have `release()` run whenever this process leaves a world (once per function)."""
-    if release not in _at_end:
-        _at_end.append(release)
 
 
 def _leave(graceful: bool) -> None:
@@ -920,4 +710,4 @@ def describe_self() -> str:
 
 def is_running() -> bool:
     """True while this process is part of a running world (asyncrpc's or torch's)."""
-    return _world is not None or _torch.agent_running()
+    return _runtime.SLOT.runtime.world is not None or _torch.agent_running()

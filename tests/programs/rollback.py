@@ -46,14 +46,14 @@ undo: list[Callable[[], None]] = []
 
 
 def inject(step: str, error: BaseException) -> None:
-    from asyncrpc._core import _liveness, _threadstates, _world
+    from asyncrpc._core import _healing, _liveness, _threadstates, _world
 
     holder, attr = {
         "hooks": (_world, "_install_hooks"),
         "agent": (_world, "_start_agent"),
         "threadstates": (_threadstates, "keep"),
         "watch": (_world, "_watch"),
-        "join": (_world, "_join_members"),
+        "join": (_healing, "join"),
         "liveness": (_liveness.Liveness, "start"),
         "freeze": (gc, "freeze"),
     }[step]
@@ -105,8 +105,9 @@ def check_put_back(when: str, before: dict[str, object], env: dict[str, str]) ->
         fail(f"{when}: environment changed {diff}")
     print(f"{when}: environment restored", flush=True)
     left = sorted(_registry.folder().glob("*.json"))
-    if left or _world._world is not None or _threadstates.kept():
-        fail(f"{when}: left {left}, world {_world._world}, kept {_threadstates.kept()}")
+    world = _world.running_world()
+    if left or world is not None or _threadstates.kept():
+        fail(f"{when}: left {left}, world {world}, kept {_threadstates.kept()}")
     print(f"{when}: no registration, no world", flush=True)
 
 

@@ -1,0 +1,136 @@
+"""A world that heals, as a member lives it: joining, welcoming a replacement, leaving.
+
+`_membership` holds who is in the world (`Members`) and the store's
+records; this module holds what a member *does* with them, at the three
+moments a world that heals differs from one that does not::
+
+    start   join(world)       publish this member, meet the others (or, a
+                              replacement: welcome every survivor by RPC)
+    a death news(text)        the supervisor's "member gone ..." on the side
+                              channel: forget the process, close its pipe, ack
+            welcome(...)      (RPC, on each survivor) the replacement is up
+    end     leave(world)      every main done, every RRef deleted, then stop
+
+The world itself (`_world.World`) is passed in, or, for what arrives by RPC
+or the side channel, read from the runtime (`_runtime`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed.rpc as rpc
+
+from . import _membership, _runtime, _torch
+from ._membership import Joining
+
+if TYPE_CHECKING:
+    from ._world import World
+
+__all__ = ("join", "leave", "news")
+
+
+def join(world: World, joining: Joining) -> None:
+    """After torch's join: publish this member, meet the others (or welcome them)."""
+    ctx, settings = world.context, world.settings
+    assert world.store is not None and settings is not None
+    space = _membership.heal_space(world.store, world.tag)
+    _membership.publish(space, ctx, joining.torch_id, _torch.group_key_prefix())
+    if not joining.replacement:
+        _membership.wait_for_all(space, ctx.names, settings.init_timeout)
+    members = _membership.read_members(space, ctx.names)
+    if joining.replacement:  # another member may be being replaced as this one joins
+        members.missed(_torch.known_ids())
+    world.members = members
+    world.stack.callback(members.stop)
+    world.members_known.set()
+    _membership.mark_ready(space, ctx.name)
+    if joining.replacement:
+        _welcome_all(world, settings.rpc_timeout)
+    else:  # no member's main calls one that does not know the members yet
+        _membership.wait_for_all(space, ctx.names, settings.init_timeout, key="ready")
+
+
+def _welcome_all(world: World, timeout: float) -> None:
+    """Tell every other member that this replacement is up (before `main` runs here)."""
+    ctx, members = world.context, world.members
+    assert members is not None
+    futures = []
+    for name in ctx.names:
+        if name == ctx.name or name in members.replacing:
+            continue
+        try:
+            args = (ctx.name, world.key_rank, ctx.attempt)
+            info = members.info(name)
+            futures.append(_torch.rpc_async(info, _welcome, args=args, timeout=timeout))
+        except RuntimeError:  # not in the group now: being replaced itself
+            continue
+    for fut in futures:
+        try:
+            fut.wait()
+        except Exception:  # a member that died meanwhile: its own heal follows
+            continue
+
+
+def _starting_members() -> World | None:
+    """This process's world, once it knows its members (waiting while it starts)."""
+    world: World | None = _runtime.SLOT.runtime.world
+    if world is not None and world.settings is not None:
+        world.members_known.wait(world.settings.init_timeout)
+    return world
+
+
+def _welcome(name: str, torch_id: int, attempt: int) -> None:
+    """Run on a member: `name`'s replacement (torch id, attempt) has joined."""
+    world = _starting_members()
+    if world is None or world.members is None:
+        return
+    event = world.members.joined(name, torch_id, attempt)
+    if event is not None:
+        world.members.announce(event)
+        _membership.trim_heap()
+
+
+def news(text: str) -> None:
+    """The side channel's "member gone" from the supervisor: forget the dead process, ack."""
+    parsed = _membership.parse_gone(text)
+    world = _starting_members()
+    if parsed is None or world is None or world.members is None or world.store is None:
+        return
+    seq, torch_id, name, why = parsed
+    if world.members.gone(name, torch_id, why):
+        # Kept in torch's group (see _membership); its pipe closed, or its sockets
+        # would stay open (CLOSE-WAIT) here for good.
+        _torch.close_pipe(_membership.torch_name(name, torch_id, world.context.world_size))
+        for hook in list(world.members.gone_hooks):
+            hook(torch_id)
+    _membership.heal_space(world.store, world.tag).set(f"{seq}/ack/{world.context.name}", "1")
+
+
+def leave(world: World, graceful: bool, timeout: float) -> None:
+    """Leave a world that heals: once every member's `main` is done, all at once.
+
+    torch's graceful leave of a dynamic group passes a token from member to
+    member, each calling every other one; a member that stalls holds the
+    token, and the others wait for it. Instead: every `main` is done (the
+    first meeting), every member has deleted its RRefs at their owners (the
+    second: nothing is in flight any more), then each stops its agent.
+    """
+    assert world.store is not None and world.members is not None
+    space = _membership.heal_space(world.store, world.tag)
+    if graceful:
+        graceful = _membership.meet_to_end(space, world.context, timeout)
+    # After a heal, a delete sent to a dead owner fails with a C++ trace and an
+    # owner then waits for deletes that never come; and torch's join of a dynamic
+    # group can wait forever for a message it sent to a process that died. So only
+    # a world never healed deletes its RRefs and joins (then the pipes peers close
+    # are expected, and torch logs nothing); a replacement knows it is one, and
+    # the survivors saw the heal.
+    members = world.members
+    healed = bool(members.lost) or any(attempt > 0 for attempt in members.attempts.values())
+    if graceful and not healed:
+        _torch.release_user_rrefs(timeout)
+        _torch.stop_serving(timeout)
+    if graceful:
+        _membership.meet_to_stop(space, len(world.context.names), timeout)
+    rpc.shutdown(graceful=False)
