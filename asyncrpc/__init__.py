@@ -47,6 +47,7 @@ from ._core._futures import (
     wait_first,
     with_timeout,
 )
+from ._core._init import init
 from ._core._stream import Stream, stream
 from ._core._unwaited import log_unwaited_failures
 from ._core._world import (
@@ -54,7 +55,6 @@ from ._core._world import (
     Replaced,
     Settings,
     current_context,
-    init,
     on_replaced,
     shutdown,
 )

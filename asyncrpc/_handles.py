@@ -33,7 +33,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from ._core import _calls, _torch, _world
+from ._core import _calls, _hooks, _torch
 from ._core._errors import WorkerUnreachableError
 from ._core._execution import DESCRIBE_CALL, Kind, classify
 from ._core._futures import gather
@@ -142,7 +142,7 @@ class RemoteObject(Generic[T]):
         In a world that heals, `ObjectLostError` once that worker's process
         died (its replacement does not have the object).
         """
-        return _world.owner_of(self.rref, f"the {self._what()} of this handle")
+        return _hooks.owner_of(self.rref, f"the {self._what()} of this handle")
 
     def options(
         self, *, timeout: float | None = None, window: int | None = None

@@ -23,7 +23,7 @@ An RRef that asyncrpc's `remote()` made of an operator (a type not known here)
 is waited for first: its owner makes it, or `ObjectLostError`. Where the callee
 is not known (a value returned, torch's own verbs), and for an RRef made by
 torch's own `remote()`, torch forks as usual, refused where the owner or the
-sender is known dead (`_world._check_fork`).
+sender is known dead (`_hooks._check_fork`).
 """
 
 from __future__ import annotations

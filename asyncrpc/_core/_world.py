@@ -26,15 +26,14 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch.distributed.rpc as rpc
 
 from . import (
     _cancel,
     _environ,
-    _forks,
     _healing,
+    _hooks,
     _membership,
     _registry,
     _rendezvous,
@@ -43,17 +42,12 @@ from . import (
     _threadstates,
     _torch,
 )
-from ._cancel import Sent
-from ._context import Context, Settings, names_for, resolve_world_size
+from ._context import Context, Settings
 from ._errors import (
     AsyncRPCError,
     NotInitializedError,
-    ObjectLostError,
     WorkerUnreachableError,
-    WorldSizeMismatchError,
 )
-from ._failures import check_reply, hold, name_failure
-from ._futures import await_future
 from ._liveness import Liveness
 from ._membership import Joining, Members, Replaced
 from ._torch import PrefixStore, Store, WorkerInfo
@@ -64,7 +58,6 @@ __all__ = [
     "Replaced",
     "Settings",
     "current_context",
-    "init",
     "on_replaced",
     "shutdown",
     "start",
@@ -156,7 +149,7 @@ def _adopt() -> World:
     world = World(context, _torch.agent_threads(), hang_after=_hang_after_from_env())
     world.key_rank = int(me.id)
     world.stack.callback(_end_runtime, runtime)  # torch's patches, the watcher, ...
-    _install_hooks()  # first: a world is only cached once torch is patched for it
+    _hooks.install()  # first: a world is only cached once torch is patched for it
     runtime.adopted = (agent, world)
     world.stack.callback(_unregister, world)
     _watch(world, _cancel.SIDE_PREFIX, agent_gone=_torch_shut_down)
@@ -224,100 +217,6 @@ def _watch(
         world.registration = _registry.register(address, side, ctx.rank, ctx.name, ctx.names, heal)
 
 
-def _install_hooks() -> None:
-    # Installed when asyncrpc first meets a world, never at import, and removed by
-    # the shutdown that ends it (_torch.install / uninstall).
-    _torch.install(_HOOKS)
-    if os.environ.get("ASYNCRPC_LOG_UNWAITED", "").lower() in ("1", "true", "yes"):
-        log_unwaited_failures(True)
-
-
-def _check_owner(rref: Any) -> None:
-    owner_of(rref, "the value of this RRef")
-
-
-def _check_fork(owner: Any, sender: int | None = None) -> bool:
-    """An RRef crosses a call: `ObjectLostError` if its owner's process died.
-
-    `owner`: the RRef being sent, or its owner's torch id as it is received
-    (`sender`: the process that sent it). torch would tell the owner and the
-    sender of the fork, each by a message retried for seconds and then
-    failed on a thread of torch's own, where the failure ends the process:
-    a fork that involves a dead process is refused here first. Cheap where
-    nothing died: one attribute read. True in a world that heals.
-    """
-    world = running_world()
-    members = world.members if world is not None else None
-    if members is None:
-        return False
-    if not members.lost:
-        return True
-    if not isinstance(owner, int):
-        found = _torch.rref_owner(owner)
-        owner = found if isinstance(found, int) else int(found.id)
-    members.check_owner(owner, "the object of an RRef or handle passed to a call")
-    if sender is not None and sender in members.lost:
-        raise ObjectLostError(
-            f"a call carried an RRef or handle from worker {members.lost[sender]!r}, whose "
-            f"process died before the call ran here; it is not run",
-            members.lost[sender],
-        )
-    return True
-
-
-def _reduce_rref(py_rref: Any, to: int, keep: list[Any]) -> Any:
-    """An RRef pickled into an asyncrpc call to torch id `to` (see `_forks`)."""
-    world = running_world()
-    if world is None or world.members is None:
-        _check_fork(py_rref)
-        return None
-    return _forks.reduce(py_rref, to, keep, world.key_rank, world.members)
-
-
-def owner_of(rref: Any, what: str) -> str:
-    """The name of `rref`'s owner; `ObjectLostError` when that process died (a world that heals).
-
-    `what` names the object in the error ("the object of this handle").
-    """
-    owner = _torch.rref_owner(rref)
-    world = running_world()
-    if world is not None and world.members is not None:
-        owner_id = owner if isinstance(owner, int) else int(owner.id)
-        world.members.check_owner(owner_id, what)
-        name = world.members.name_of(owner_id)
-        if name is not None:
-            return name  # the member's name, not torch's for a replacement (name:id)
-    if isinstance(owner, int):
-        raise WorkerUnreachableError(
-            f"{what} lives on a process (torch id {owner}) that is not in the world any more",
-            "",
-        )
-    # The member's name: a replacement's torch name is "name:<torch id>" (_membership).
-    return str(owner.name).split(":", 1)[0]
-
-
-def _name_read(error: BaseException, sent: Sent) -> BaseException:
-    return name_failure(error, sent.worker, sent.label)  # a call's tag
-
-
-def _name_rref(error: BaseException, owner: str) -> BaseException:
-    return name_failure(error, owner, "RRef.to_here()")
-
-
-_HOOKS = _torch.Hooks(
-    await_future=await_future,
-    name_read=_name_read,
-    name_rref=_name_rref,
-    check_value=check_reply,
-    carry=hold,
-    cancel_call=_cancel.request,
-    handoff=_rendezvous.handoff_handler,
-    check_owner=_check_owner,
-    check_fork=_check_fork,
-    reduce_rref=_reduce_rref,
-)
-
-
 def current_store() -> Store:
     """The rendezvous store of a world asyncrpc started (NotInitializedError otherwise)."""
     world = current_world("the world's store")
@@ -340,64 +239,6 @@ def _not_running_message(what: str) -> str:
         f"main(ctx) given to asyncrpc.run(main, world_size=N), after asyncrpc.init(), or "
         f"after torch's rpc.init_rpc(...)"
     )
-
-
-def init(
-    *,
-    rank: int | None = None,
-    world_size: int | None = None,
-    name: str | None = None,
-    roles: Mapping[str, int] | None = None,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    joining: Joining | None = None,
-    **options: Any,
-) -> Context:
-    """Join an RPC world from this process and return its `Context`.
-
-    Missing values come from the launcher's environment (`RANK`, `WORLD_SIZE`,
-    `MASTER_ADDR`, `MASTER_PORT`). Without a launcher, rank 0 hosts the
-    rendezvous store on `master_addr:master_port` (default 127.0.0.1: loopback
-    only). Options: see `Settings`. `joining` is how `asyncrpc-launch --restart
-    worker` has its workers join a world that heals; leave it out. Example, in
-    each of two processes::
-
-        with asyncrpc.init(rank=r, world_size=2, master_port=29600) as ctx:
-            print(asyncrpc.rpc_sync(ctx.names[1 - r], str.upper, args=("hi",)))
-    """
-    settings = Settings.from_options(options)
-    rank = rank if rank is not None else _environ.from_env("RANK")
-    if rank is None:
-        raise ValueError("init() needs rank=..., or a RANK environment variable")
-    env_world = _environ.from_env("WORLD_SIZE")
-    asked = resolve_world_size(world_size, roles)
-    if asked is not None and env_world is not None and asked != env_world:
-        raise WorldSizeMismatchError(
-            f"the program asks for world_size={asked} but the launcher started "
-            f"WORLD_SIZE={env_world} workers; launch with --nproc-per-node {asked} "
-            f"(per node), or drop world_size= to take the launcher's"
-        )
-    size = asked if asked is not None else env_world
-    if size is None:
-        raise ValueError("init() needs world_size=..., or a WORLD_SIZE environment variable")
-    if not 0 <= rank < size:
-        raise ValueError(f"rank must be in 0..{size - 1} for world_size={size}, got {rank}")
-    addr = master_addr or os.environ.get("MASTER_ADDR") or _environ.LOOPBACK
-    port = master_port if master_port is not None else _environ.from_env("MASTER_PORT")
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    hosts = rank == 0 and not agent_store
-    if port is None or (port == 0 and not hosts):
-        raise ValueError(
-            "init() needs master_port=..., or a MASTER_PORT environment variable: the "
-            "port where rank 0 hosts the rendezvous store"
-        )
-    worker_name = name or names_for(size, roles)[rank]
-    # `joining` (asyncrpc-launch --restart worker): a world that heals, where the
-    # launchers watch the workers; a peer's death must not end this one.
-    return start(
-        rank, size, worker_name, addr, port, settings, roles=roles, hosts_store=hosts,
-        watch_peers=joining is None, joining=joining,
-    )  # fmt: skip
 
 
 def start(
@@ -481,7 +322,7 @@ def _build(world: World, master_addr: str, watch_peers: bool, joining: Joining |
     # Last to run: every part of the world's runtime closes (torch's patches, the
     # side channel's watcher, the hang reporter, the kept thread states...).
     stack.callback(_end_runtime, world.runtime)
-    _install_hooks()
+    _hooks.install()
     stack.callback(_forget, world)
     world.runtime.world = world
     if settings.log_unwaited_failures is not None:

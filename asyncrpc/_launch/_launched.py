@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
-from .._core import _context, _world
+from .._core import _context, _init, _world
 from .._core._errors import WorkerUnreachableError
 from .._core._liveness import Liveness, describe, leave_world
 from .._core._membership import Joining
@@ -55,7 +55,7 @@ def run_launched(
     joining = joining_from_env()
     options = _as_options(settings)
     try:
-        ctx = _world.init(world_size=world_size, roles=roles, joining=joining, **options)
+        ctx = _init.init(world_size=world_size, roles=roles, joining=joining, **options)
     except KeyboardInterrupt:
         _interrupted()
     if joining is not None:

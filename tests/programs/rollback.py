@@ -46,10 +46,10 @@ undo: list[Callable[[], None]] = []
 
 
 def inject(step: str, error: BaseException) -> None:
-    from asyncrpc._core import _healing, _liveness, _threadstates, _world
+    from asyncrpc._core import _healing, _hooks, _liveness, _threadstates, _world
 
     holder, attr = {
-        "hooks": (_world, "_install_hooks"),
+        "hooks": (_hooks, "install"),
         "agent": (_world, "_start_agent"),
         "threadstates": (_threadstates, "keep"),
         "watch": (_world, "_watch"),
