@@ -37,7 +37,7 @@ from ._core._execution import Kind, classify, run_python, run_python_async
 from ._core._failures import hold, label_of
 from ._core._futures import Settle, completed, failed
 
-__all__ = ["Batch", "run_batch"]
+__all__ = ("Batch", "run_batch")
 
 _Entry = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], int]  # func, args, kw, key
 _Pending = dict[str, list[tuple[_Entry, Settle]]]

@@ -39,7 +39,7 @@ from ._core._execution import DESCRIBE_CALL, Kind, classify
 from ._core._futures import gather
 from ._core._stream import DEFAULT_WINDOW, Stream, check_window
 
-__all__ = ["RemoteModule", "RemoteObject", "call_all", "spawn"]
+__all__ = ("RemoteModule", "RemoteObject", "call_all", "spawn")
 
 T = TypeVar("T")
 M = TypeVar("M", bound=torch.nn.Module)

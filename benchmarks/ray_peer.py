@@ -12,7 +12,7 @@ import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-__all__ = ["installed", "sockets", "start"]
+__all__ = ("installed", "sockets", "start")
 
 # What the last `start` found: Ray's new listening sockets, and those off loopback.
 sockets: dict[str, object] = {}

@@ -14,7 +14,9 @@ import pathlib
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 import torch
@@ -24,6 +26,8 @@ import asyncrpc
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROGRAMS = pathlib.Path(__file__).resolve().parent / "programs"
 WORLD_SIZE = 3
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -60,6 +64,20 @@ def world() -> Iterator[asyncrpc.Context]:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+def until(predicate: Callable[[], T], seconds: float = 10.0, every: float = 0.02) -> T:
+    """`predicate()` once it is true, or its last value when `seconds` have passed.
+
+    For what another thread or worker does soon but not at once (a remote
+    `finally` that runs, a count that drops): `assert until(lambda: ...)`.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
 
 
 def _program_env(extra: dict[str, str] | None) -> dict[str, str]:

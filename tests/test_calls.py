@@ -5,6 +5,8 @@ import torch
 
 import asyncrpc
 
+from conftest import until
+
 
 def whoami() -> str:
     return asyncrpc.current_context().name
@@ -100,14 +102,6 @@ def _unwaited_records(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "nobody waited" in r.getMessage()]
 
 
-def _wait_for(predicate: object, timeout: float = 10.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:  # type: ignore[operator]
-        time.sleep(0.02)
-
-
 def test_a_failure_nobody_waited_for_is_logged_once(
     world: asyncrpc.Context, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -118,13 +112,13 @@ def test_a_failure_nobody_waited_for_is_logged_once(
     try:
         # Dropped before it fails (fire and forget) ...
         asyncrpc.rpc_async("worker1", fail_after, args=(0.2,))
-        _wait_for(lambda: _unwaited_records(caplog))
+        until(lambda: _unwaited_records(caplog))
         # ... and dropped after it failed.
         fut = asyncrpc.rpc_async("worker2", fail_after, args=(0,))
-        _wait_for(fut.done)
+        until(fut.done)
         del fut
         gc.collect()
-        _wait_for(lambda: len(_unwaited_records(caplog)) >= 2)
+        until(lambda: len(_unwaited_records(caplog)) >= 2)
         # Read, so handled: not logged; and a success is never logged.
         read = asyncrpc.rpc_async("worker1", fail_after, args=(0,))
         with pytest.raises(KeyError):
@@ -148,7 +142,7 @@ def test_unwaited_failures_are_not_logged_by_default(
 
     caplog.set_level("WARNING", logger="asyncrpc")
     fut = asyncrpc.rpc_async("worker1", fail_after, args=(0,))
-    _wait_for(fut.done)
+    until(fut.done)
     del fut
     gc.collect()
     assert _unwaited_records(caplog) == []

@@ -19,7 +19,7 @@ from torch.futures import Future
 import asyncrpc
 from asyncrpc._core import _cancel
 
-from conftest import ROOT, run_program
+from conftest import ROOT, run_program, until
 
 _seen: dict[str, list[str]] = {}  # on each callee: tag -> what happened, in order
 _seen_lock = threading.Lock()
@@ -97,17 +97,8 @@ def polls(tag: str, seconds: float) -> str:
     return "ran to the end"
 
 
-def _until(predicate: Any, seconds: float = 5.0) -> Any:
-    deadline = time.monotonic() + seconds
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.01)
-
-
 def _started(worker: str, tag: str) -> None:
-    assert _until(lambda: asyncrpc.rpc_sync(worker, seen, args=(tag,))), f"{tag} never started"
+    assert until(lambda: asyncrpc.rpc_sync(worker, seen, args=(tag,))), f"{tag} never started"
 
 
 def test_a_running_async_def_and_the_call_it_awaits_stop(world: asyncrpc.Context) -> None:
@@ -122,7 +113,7 @@ def test_a_running_async_def_and_the_call_it_awaits_stop(world: asyncrpc.Context
     assert isinstance(raised.value, __import__("concurrent.futures").futures.CancelledError)
     assert raised.value.name == "worker1"
     last = ["worker2 got CancelledError"]
-    assert _until(lambda: asyncrpc.rpc_sync("worker2", seen, args=("chain",))[-1:] == last)
+    assert until(lambda: asyncrpc.rpc_sync("worker2", seen, args=("chain",))[-1:] == last)
     assert asyncrpc.rpc_sync("worker1", seen, args=("chain",)) == [
         "worker1 started",
         "worker1 got CancelledError",
@@ -151,7 +142,7 @@ def test_a_sync_function_can_poll_cancelled(world: asyncrpc.Context) -> None:
         fut.wait()  # whatever it returned
     assert time.monotonic() - started < 2.0
     polled = ["started", "saw cancelled()"]  # the cancel reaches the callee soon after
-    assert _until(lambda: asyncrpc.rpc_sync("worker1", seen, args=("polled",)) == polled)
+    assert until(lambda: asyncrpc.rpc_sync("worker1", seen, args=("polled",)) == polled)
     assert not asyncrpc.cancelled()  # outside a call
 
 
@@ -173,7 +164,7 @@ def test_handles_call_all_batch_and_with_timeout_cancel(world: asyncrpc.Context)
     with pytest.raises(asyncrpc.CancelledError, match=r"Waiter\.wait\(\)"):
         fut.wait()
     both = asyncrpc.call_all([handle, asyncrpc.spawn("worker2", Waiter)], "wait", "all")
-    _until(lambda: len(asyncrpc.rpc_sync("worker2", seen, args=("all",))) >= 1)
+    until(lambda: len(asyncrpc.rpc_sync("worker2", seen, args=("all",))) >= 1)
     assert both.cancel()
     with pytest.raises(asyncrpc.CancelledError):
         both.wait()
@@ -182,7 +173,7 @@ def test_handles_call_all_batch_and_with_timeout_cancel(world: asyncrpc.Context)
     )
     with pytest.raises(TimeoutError):
         timed.wait()
-    assert _until(lambda: "worker1 got CancelledError" in asyncrpc.rpc_sync(
+    assert until(lambda: "worker1 got CancelledError" in asyncrpc.rpc_sync(
         "worker1", seen, args=("timed",)))  # fmt: skip
     with asyncrpc.Batch() as batch:
         unsent = batch.rpc_async("worker1", mark, args=("batched",))
@@ -206,7 +197,7 @@ class Waiter:
 @pytest.mark.timeout(120)
 def test_1000_cancels_leave_nothing_behind(world: asyncrpc.Context) -> None:
     futs = [asyncrpc.rpc_async("worker1", wait_forever, args=(f"many-{i}",)) for i in range(1000)]
-    _until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers)[0] >= 1000, 30.0)
+    until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers)[0] >= 1000, 30.0)
     assert all([fut.cancel() for fut in futs])
     for fut in futs:
         with pytest.raises(asyncrpc.CancelledError):
@@ -215,7 +206,7 @@ def test_1000_cancels_leave_nothing_behind(world: asyncrpc.Context) -> None:
     del futs, fut
     gc.collect()
     assert sum(ref() is not None for ref in caller_side) == 0
-    assert _until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers) == (0, 0, 0)), (
+    assert until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers) == (0, 0, 0)), (
         asyncrpc.rpc_sync("worker1", callee_leftovers)
     )
     assert asyncrpc.rpc_sync("worker1", mark, args=("after the 1000",)) == "ran"  # still serving
@@ -227,12 +218,12 @@ def test_cancelled_then_chains_stop_their_calls_and_leave_nothing_on_the_callee(
 ) -> None:
     sources = [asyncrpc.rpc_async("worker1", wait_forever, args=(f"t{i}",)) for i in range(100)]
     futs = [source.then(lambda f: f.wait()).then(lambda f: "swallowed") for source in sources]
-    _until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers)[0] >= 100, 30.0)
+    until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers)[0] >= 100, 30.0)
     assert all([fut.cancel() for fut in futs])  # each one back to its call
     for fut in futs + sources:
         with pytest.raises(asyncrpc.CancelledError):
             fut.wait()
-    assert _until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers) == (0, 0, 0)), (
+    assert until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers) == (0, 0, 0)), (
         asyncrpc.rpc_sync("worker1", callee_leftovers)
     )
 
@@ -247,7 +238,7 @@ def test_a_cancelled_calls_spans_end_with_its_cause(
         with pytest.raises(asyncrpc.CancelledError):
             fut.wait()  # fails at once; the callee stops a moment later
         # Its run span ends when it has stopped: the trace keeps what ended inside it.
-        assert _until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers)[0] == 0)
+        assert until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers)[0] == 0)
     spans = [e for e in trace.events if e.get("cat") == "asyncrpc" and "wait_forever" in e["name"]]
     outcomes = {e["args"]["kind"]: e["args"].get("outcome", "") for e in spans}
     assert outcomes["call"].startswith("cancelled: the call to wait_forever()"), outcomes

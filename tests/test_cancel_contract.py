@@ -22,6 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import asyncrpc
 from asyncrpc._core import _cancel, _torch
 
+from conftest import until
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -74,15 +76,6 @@ def bookkeeping() -> dict[str, int]:
     return _cancel.bookkeeping()
 
 
-def _until(predicate: Any, seconds: float = 10.0) -> Any:
-    deadline = time.monotonic() + seconds
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.02)
-
-
 def _outcome(fut: torch.futures.Future[Any]) -> object:
     try:
         return fut.wait()
@@ -105,7 +98,7 @@ def test_a_cancel_racing_completion_never_says_true_and_delivers(world: asyncrpc
             assert got == i, (i, got)
             outcomes["false-value"] += 1
     assert outcomes["true-cancelled"] and outcomes["false-value"], outcomes  # both sides raced
-    assert _until(lambda: asyncrpc.rpc_sync("worker1", bookkeeping)["running"] == 0)
+    assert until(lambda: asyncrpc.rpc_sync("worker1", bookkeeping)["running"] == 0)
 
 
 def test_a_builtin_call_cancelled_fails_and_its_value_is_dropped(world: asyncrpc.Context) -> None:
@@ -127,15 +120,15 @@ def test_a_then_chained_async_execution_result_is_cancelled_down_the_chain(
     world: asyncrpc.Context,
 ) -> None:
     fut = asyncrpc.rpc_async("worker1", chained, args=("then-chain",))
-    assert _until(lambda: asyncrpc.rpc_sync("worker2", bookkeeping)["running"] >= 1)
+    assert until(lambda: asyncrpc.rpc_sync("worker2", bookkeeping)["running"] >= 1)
     started = time.monotonic()
     assert fut.cancel() is True
     with pytest.raises(asyncrpc.CancelledError, match="chained"):
         fut.wait()
     assert time.monotonic() - started < 2.0  # bounded: it does not wait for worker2
-    assert _until(lambda: asyncrpc.rpc_sync("worker2", ran, args=("then-chain",)) == 1)
+    assert until(lambda: asyncrpc.rpc_sync("worker2", ran, args=("then-chain",)) == 1)
     for worker in ("worker1", "worker2"):  # nothing is left running on either callee
-        assert _until(lambda w=worker: asyncrpc.rpc_sync(w, bookkeeping)["running"] == 0)
+        assert until(lambda w=worker: asyncrpc.rpc_sync(w, bookkeeping)["running"] == 0)
 
 
 def test_racing_cancels_leave_no_tombstones_on_the_callee(world: asyncrpc.Context) -> None:
@@ -144,7 +137,7 @@ def test_racing_cancels_leave_no_tombstones_on_the_callee(world: asyncrpc.Contex
         if i % 2:
             fut.wait()  # the reply is in: the cancel says False and sends nothing
         fut.cancel()
-    left = _until(lambda: asyncrpc.rpc_sync("worker1", bookkeeping)["tombstones"] == 0)
+    left = until(lambda: asyncrpc.rpc_sync("worker1", bookkeeping)["tombstones"] == 0)
     assert left, asyncrpc.rpc_sync("worker1", bookkeeping)
 
 
@@ -156,7 +149,7 @@ def test_a_sync_function_that_never_polls_runs_on_and_its_value_is_dropped(
     assert fut.cancel() is True
     with pytest.raises(asyncrpc.CancelledError):
         fut.wait()  # at once, not after the function returns
-    assert _until(lambda: asyncrpc.rpc_sync("worker1", ran, args=("runs-on",)) == 1)
+    assert until(lambda: asyncrpc.rpc_sync("worker1", ran, args=("runs-on",)) == 1)
 
 
 def fail(value: int, seconds: float) -> int:
@@ -335,7 +328,7 @@ class CancelRace(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         for node in self.nodes:  # made after its inputs: they are checked first
-            assert _until(node.fut.done, 20.0), f"{node.how} never settled"
+            assert until(node.fut.done, 20.0), f"{node.how} never settled"
             node.got = node.outcome()
             assert node.outcome() == node.got, node.how  # settled once: every read agrees
             got = ("value", _norm(node.got[1])) if node.got[0] == "value" else node.got

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import pickle
-import threading
 import weakref
 from typing import Any
 
@@ -14,19 +13,9 @@ import torch
 import asyncrpc
 from asyncrpc._core import _failures
 
+from remote_errors import HoldsALock, Rejected
+
 WHERE = "worker 'worker1' (rank 1)"
-
-
-class Rejected(Exception):
-    def __init__(self, reason: str, code: int) -> None:
-        super().__init__(reason)
-        self.code = code
-
-
-class HoldsALock(Exception):
-    def __init__(self) -> None:
-        super().__init__("with a lock")
-        self.lock = threading.Lock()
 
 
 class Big:
@@ -81,7 +70,7 @@ def test_an_exception_that_cannot_be_pickled_is_named_with_its_text() -> None:
     err = _sent_and_raised(HoldsALock())
     assert isinstance(err, asyncrpc.SerializationError) and isinstance(err, RuntimeError)
     assert isinstance(err, asyncrpc.RemoteError)
-    assert "HoldsALock" in str(err) and "with a lock" in str(err) and WHERE in str(err)
+    assert "HoldsALock" in str(err) and "holds a lock" in str(err) and WHERE in str(err)
 
     class LocalClass(Exception):
         pass

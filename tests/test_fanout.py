@@ -294,8 +294,8 @@ def test_exit_hook_joins_pool_threads_and_meets_every_inter_op_thread() -> None:
         forked(torch.rand(2, 1, 16))
     _exit.settle()
     assert not any(thread.is_alive() for thread in pool._threads)
-    assert _exit._barrier.parties == torch.get_num_interop_threads()
-    assert not _exit._barrier.broken, "an inter-op thread never reached the barrier"
+    assert _exit._GUARD.barrier.parties == torch.get_num_interop_threads()
+    assert not _exit._GUARD.barrier.broken, "an inter-op thread never reached the barrier"
 
 
 # ---- random numbers: "auto" keeps the serial stream ----------------------------------

@@ -16,7 +16,7 @@ from torch.distributed.optim import DistributedOptimizer
 import asyncrpc
 from asyncrpc import rpc_async
 
-from conftest import PROGRAMS, ROOT, run_program
+from conftest import PROGRAMS, ROOT, run_program, until
 
 _live: set[int] = set()  # ids of Counters alive in this process (read on the owner)
 _live_lock = threading.Lock()
@@ -222,10 +222,8 @@ def is_live(ident: int) -> bool:
 
 def wait_released(owner: str, ident: int, what: str) -> None:
     gc.collect()
-    deadline = time.monotonic() + 10
-    while asyncrpc.rpc_sync(owner, is_live, args=(ident,)):
-        assert time.monotonic() < deadline, f"the remote Counter was never released ({what})"
-        time.sleep(0.05)
+    released = until(lambda: not asyncrpc.rpc_sync(owner, is_live, args=(ident,)), 10, 0.05)
+    assert released, f"the remote Counter was never released ({what})"
 
 
 def test_the_object_is_released_with_its_last_handle(world: asyncrpc.Context) -> None:

@@ -16,7 +16,7 @@ import torch
 import asyncrpc
 from asyncrpc._core import _stream
 
-from conftest import ROOT, run_program
+from conftest import ROOT, run_program, until
 
 _log: dict[str, list[str]] = {}  # on the producer: tag -> events
 _made: dict[str, int] = {}  # on the producer: tag -> items made so far
@@ -147,17 +147,12 @@ def test_breaking_out_closes_the_remote_generator(world: asyncrpc.Context) -> No
         if i == 3:
             break
     gc.collect()
-    deadline = time.monotonic() + 5
-    while "finally" not in asyncrpc.rpc_sync("worker1", log, args=("broken",)):
-        assert time.monotonic() < deadline, "the remote generator's finally never ran"
-        time.sleep(0.02)
+    finished = until(lambda: "finally" in asyncrpc.rpc_sync("worker1", log, args=("broken",)), 5)
+    assert finished, "the remote generator's finally never ran"
     assert "exhausted" not in asyncrpc.rpc_sync("worker1", log, args=("broken",))
     with asyncrpc.stream("worker2", count_async, args=("closed", 100)) as items:
         assert next(items).tolist() == [0.0, 0.0]
-    deadline = time.monotonic() + 5
-    while asyncrpc.rpc_sync("worker2", log, args=("closed",)) != ["finally"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    assert until(lambda: asyncrpc.rpc_sync("worker2", log, args=("closed",)) == ["finally"], 5)
     assert asyncrpc.rpc_sync("worker2", open_producers) == 0
 
 
@@ -217,10 +212,8 @@ def test_streams_leave_nothing_open(world: asyncrpc.Context) -> None:
             if i == 2:
                 break
     gc.collect()
-    deadline = time.monotonic() + 5
-    while asyncrpc.rpc_sync("worker1", open_producers):
-        assert time.monotonic() < deadline, "streams left open on the producer"
-        time.sleep(0.02)
+    closed = until(lambda: not asyncrpc.rpc_sync("worker1", open_producers), 5)
+    assert closed, "streams left open on the producer"
 
 
 def consume_on(worker: str) -> list[int]:

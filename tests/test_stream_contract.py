@@ -24,6 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 import asyncrpc
 from asyncrpc._core import _stream
 
+from conftest import until
+
 pytestmark = pytest.mark.timeout(180)
 
 _closed: dict[str, int] = {}  # on the producer: tag -> how often its finally ran
@@ -89,22 +91,13 @@ class Plain:
         return [1, 2]
 
 
-def _until(predicate: Any, seconds: float = 10.0) -> Any:
-    deadline = time.monotonic() + seconds
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.02)
-
-
 def test_breaking_out_of_a_for_loop_closes_the_stream(world: asyncrpc.Context) -> None:
     s = asyncrpc.stream("worker1", numbers, args=("broken", 1000))
     for item in s:
         assert item == 0
         break
     # `s` is still alive here: the loop's end closed it, not its collection
-    assert _until(lambda: asyncrpc.rpc_sync("worker1", closed, args=("broken",)) == 1)
+    assert until(lambda: asyncrpc.rpc_sync("worker1", closed, args=("broken",)) == 1)
     assert list(s) == []  # closed: it yields nothing more
     del s
 
@@ -119,7 +112,7 @@ def test_items_before_an_unpicklable_one_arrive_then_the_error_names_the_generat
             got.append(item)
     assert got == [0, 1]
     assert "item 3, a lock" in str(err.value)
-    assert _until(lambda: asyncrpc.rpc_sync("worker1", closed, args=("unpicklable",)) == 1)
+    assert until(lambda: asyncrpc.rpc_sync("worker1", closed, args=("unpicklable",)) == 1)
 
 
 def test_a_handles_stream_of_a_method_that_is_no_generator_names_the_method(
@@ -243,8 +236,8 @@ class StreamRace(RuleBasedStateMachine):
             entry["s"].close()
         for entry in self.streams:  # every generator that started ran its finally
             tag = entry["tag"]
-            assert _until(lambda t=tag: asyncrpc.rpc_sync("worker2", closed, args=(t,)) <= 1)
-        assert _until(lambda: asyncrpc.rpc_sync("worker2", open_producers) == 0)
+            assert until(lambda t=tag: asyncrpc.rpc_sync("worker2", closed, args=(t,)) <= 1)
+        assert until(lambda: asyncrpc.rpc_sync("worker2", open_producers) == 0)
 
 
 @pytest.mark.usefixtures("world")
@@ -310,4 +303,4 @@ def test_close_from_another_thread_closes_the_generator_of_a_for_loop(
     s.close()
     reader.join(5)
     assert not reader.is_alive()
-    assert _until(lambda: asyncrpc.rpc_sync("worker1", closed, args=("loop-closed",)) == 1)
+    assert until(lambda: asyncrpc.rpc_sync("worker1", closed, args=("loop-closed",)) == 1)

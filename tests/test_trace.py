@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import asyncrpc
+from asyncrpc._core import _calls
 from asyncrpc._trace import _render, _trace
 
 from conftest import ROOT, run_program
@@ -198,6 +199,26 @@ def test_a_worker_that_cannot_start_leaves_the_others_stopped(tmp_path: pathlib.
         assert ours(trace.events, "run")
     finally:
         asyncrpc.rpc_sync("worker1", _trace._finish, args=("stray",))
+
+
+def test_a_recording_left_open_stops_when_its_world_ends() -> None:
+    # What the world's end runs for this part (_runtime.end -> close): the profiler
+    # stops, and calls go out untraced again; a second close does nothing.
+    state = _trace._Recording()
+    recorder = state.recorder = _trace._Recorder("left-open")
+    recorder.start()
+    hooked: list[str] = []
+
+    def hook(to: str, fn: Any) -> tuple[Any, None]:
+        hooked.append(to)
+        return fn, None
+
+    _calls.set_outgoing_hook(hook)
+    state.close()
+    state.close()
+    assert state.recorder is None and not recorder._thread.is_alive()
+    asyncrpc.rpc_sync("worker1", work, args=(2,))
+    assert hooked == []
 
 
 def test_untraced_calls_send_the_function_itself() -> None:

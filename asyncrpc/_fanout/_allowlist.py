@@ -40,7 +40,7 @@ from .._core import _torch
 from ._alone import mark_entries
 from ._reads import own_classes, readable
 
-__all__ = [
+__all__ = (
     "LAYERS",
     "CallHooks",
     "article",
@@ -49,7 +49,7 @@ __all__ = [
     "plain_attributes",
     "same_setting",
     "unprovable",
-]
+)
 
 _nn = torch.nn
 LAYERS: frozenset[type[torch.nn.Module]] = frozenset({
@@ -82,7 +82,7 @@ _SCALARS = frozenset({
     type(None), bool, int, float, complex, str, bytes, type(Ellipsis),
     torch.dtype, torch.device, torch.layout, torch.memory_format,
 })  # fmt: skip
-_REGISTER = {
+_REGISTER = types.MappingProxyType({
     "_forward_hooks": "register_forward_hook",
     "_forward_pre_hooks": "register_forward_pre_hook",
     "_backward_hooks": "register_full_backward_hook",
@@ -91,7 +91,7 @@ _REGISTER = {
     "_state_dict_pre_hooks": "register_state_dict_pre_hook",
     "_load_state_dict_pre_hooks": "register_load_state_dict_pre_hook",
     "_load_state_dict_post_hooks": "register_load_state_dict_post_hook",
-}
+})  # fmt: skip
 
 
 def plain_attributes(module: torch.nn.Module) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import torch
 
 from .._core import _torch
 
-__all__ = ["LIVE", "Alone", "mark_entries"]
+__all__ = ("LIVE", "Alone", "mark_entries")
 
 
 class _Stacks(Protocol):

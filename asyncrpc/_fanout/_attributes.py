@@ -34,7 +34,7 @@ import torch
 
 from ._allowlist import CallHooks, article, immutable, plain_attributes, same_setting
 
-__all__ = ["Attributes", "plain_attributes"]
+__all__ = ("Attributes", "plain_attributes")
 
 
 class Attributes:

@@ -17,7 +17,7 @@ from torch.futures import Future
 
 from .._core import _futures, _torch
 
-__all__ = ["call", "on_rows", "settle", "span", "succeeded"]
+__all__ = ("call", "on_rows", "settle", "span", "succeeded")
 
 
 def span(name: str) -> contextlib.AbstractContextManager[Any]:

@@ -20,7 +20,7 @@ import torch
 
 from ._allowlist import plain_attributes, same_setting
 
-__all__ = [
+__all__ = (
     "Calls",
     "detached_copy",
     "deterministic",
@@ -28,7 +28,7 @@ __all__ = [
     "first_line",
     "leaves",
     "replay",
-]
+)
 
 Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
 RANDOM_REASON = (

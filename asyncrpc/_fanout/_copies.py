@@ -26,7 +26,7 @@ import torch
 
 from ._storage import Storage
 
-__all__ = ["copied_members", "rows_of"]
+__all__ = ("copied_members", "rows_of")
 
 Members = Sequence[Callable[..., Any]]
 

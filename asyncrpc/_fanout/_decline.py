@@ -22,7 +22,7 @@ from ._allowlist import article, plain_attributes, same_setting, unprovable
 
 _MISSING = object()
 
-__all__ = ["RNN_REASON", "Declined", "chain_of", "decline"]
+__all__ = ("RNN_REASON", "Declined", "chain_of", "decline")
 
 # Layers applied to the stacked activations as they are (element-wise).
 _ELEMENTWISE = (

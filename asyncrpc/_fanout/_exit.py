@@ -26,26 +26,42 @@ import torch
 
 from .._core import _torch
 
+__all__ = ("settle", "settle_at_exit")
+
 _JOIN_S = 1.0
-_lock = threading.Lock()
-_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-_registered = False
+
+
+class _ExitGuard:
+    """What the exit hook settles: the fan-out threads to join, and the barrier of the drain.
+
+    Process-lifetime on purpose: the interpreter's exit is the process's, not
+    a world's, and fan-out runs with or without one.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # guards `threads` and `registered`
+        self.threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+        self.registered = False
+        # Read by `_meet` on torch's inter-op threads; a new one for each drain.
+        self.barrier = threading.Barrier(1)
+
+
+_GUARD = _ExitGuard()
 
 
 def settle_at_exit(threads: Iterable[threading.Thread] = ()) -> None:
     """Join `threads` and drain torch's inter-op pool when this process exits."""
-    global _registered
-    with _lock:
-        _threads.update(threads)
-        if not _registered:
+    with _GUARD.lock:
+        _GUARD.threads.update(threads)
+        if not _GUARD.registered:
             atexit.register(settle)
-            _registered = True
+            _GUARD.registered = True
 
 
 def settle() -> None:
     """Join the fan-out threads, then let every inter-op thread finish its task."""
-    with _lock:
-        threads = list(_threads)
+    with _GUARD.lock:
+        threads = list(_GUARD.threads)
     for thread in threads:
         thread.join(_JOIN_S)
     if _torch.interop_pool_started():
@@ -53,23 +69,19 @@ def settle() -> None:
 
 
 def _drain_interop_pool() -> None:
-    global _barrier
-    _barrier = threading.Barrier(torch.get_num_interop_threads())
+    barrier = _GUARD.barrier = threading.Barrier(torch.get_num_interop_threads())
     try:
         with _torch.quiet_torchscript():
             drain: Any = torch.jit.script(_drain)
-        drain(_barrier.parties)
+        drain(barrier.parties)
     except Exception:  # TorchScript missing, or a pool thread busy: exit anyway
-        _barrier.abort()
-
-
-_barrier = threading.Barrier(1)
+        barrier.abort()
 
 
 @torch.jit.ignore  # type: ignore[untyped-decorator]
 def _meet(i: int) -> int:
     # Blocks until every pool thread holds one: each has let go of its last task.
-    _barrier.wait(_JOIN_S)
+    _GUARD.barrier.wait(_JOIN_S)
     return i
 
 

@@ -17,7 +17,7 @@ import torch
 from .._core import _torch
 from ._tuner import FanoutPlan
 
-__all__ = ["ForkDriver", "run_forked", "script_driver"]
+__all__ = ("ForkDriver", "run_forked", "script_driver")
 
 
 class ForkDriver(torch.nn.Module):

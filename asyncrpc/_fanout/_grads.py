@@ -31,7 +31,7 @@ import torch
 
 from .._core import _torch
 
-__all__ = ["StackedGrads"]
+__all__ = ("StackedGrads",)
 
 _logger = logging.getLogger("asyncrpc")
 

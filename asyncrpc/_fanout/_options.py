@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_members", "check_names", "check_threads"]
+__all__ = ("check_members", "check_names", "check_threads")
 
 
 def check_members(members: object) -> tuple[Callable[..., Any], ...]:

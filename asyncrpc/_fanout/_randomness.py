@@ -34,7 +34,7 @@ import torch
 
 from ._tuner import FanoutPlan
 
-__all__ = ["RandomGuard", "Watch"]
+__all__ = ("RandomGuard", "Watch")
 
 
 _training = operator.attrgetter("training")

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["own_classes", "readable"]
+__all__ = ("own_classes", "readable")
 
 # Names through which code reads an attribute it does not name.
 _INDIRECT = frozenset({

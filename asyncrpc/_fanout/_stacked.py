@@ -54,7 +54,7 @@ from ._check import (
 from ._decline import Declined, chain_of, decline
 from ._storage import InSharedMemory, Storage, Unstackable, storage_for
 
-__all__ = ["Stacked"]
+__all__ = ("Stacked",)
 
 
 class Stacked:

@@ -57,7 +57,7 @@ from ._grads import StackedGrads
 
 _logger = logging.getLogger("asyncrpc")
 
-__all__ = ["InSharedMemory", "Storage", "Unstackable", "storage_for"]
+__all__ = ("InSharedMemory", "Storage", "Unstackable", "storage_for")
 
 
 class Unstackable(Exception):
@@ -357,22 +357,34 @@ def _orphaned(why: str) -> None:
     )
 
 
-_shared: weakref.WeakValueDictionary[tuple[int, ...], Storage] = weakref.WeakValueDictionary()
-_shared_lock = threading.Lock()
+class _Shared:
+    """Each live Storage by its members' ids (weakly), and the lock its lookups take.
+
+    Process-lifetime on purpose: a Storage belongs to its Fanouts, not to a
+    world (fan-out runs with or without one), and this index holds none alive.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_members: weakref.WeakValueDictionary[tuple[int, ...], Storage]
+        self.by_members = weakref.WeakValueDictionary()
+
+
+_SHARED = _Shared()
 
 
 def storage_for(members: Sequence[torch.nn.Module]) -> Storage:
     """The Storage of these members (in this order), made or shared; one more user."""
     key = tuple(map(id, members))
-    with _shared_lock:
-        found = _shared.get(key)
+    with _SHARED.lock:
+        found = _SHARED.by_members.get(key)
         alive = (
             found is not None
             and found.stacks
             and all(ref() is m for ref, m in zip(found.member_refs, members, strict=True))
         )
         storage = found if alive and found is not None else Storage(members)
-        _shared[key] = storage
+        _SHARED.by_members[key] = storage
         with storage._lock:
             storage.users += 1
         return storage

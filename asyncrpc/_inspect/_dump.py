@@ -24,7 +24,7 @@ from typing import Any
 from .._core import _waits
 from ._worlds import ask_world, attempt_note, pick_world, run_command
 
-__all__ = ["dump", "main"]
+__all__ = ("dump", "main")
 
 
 def dump(address: str, entry: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from ._worlds import (
     try_ask_world,
 )
 
-__all__ = ["COLUMNS", "main", "rows"]
+__all__ = ("COLUMNS", "main", "rows")
 
 # The keys of a row; a worker that does not answer has them as None.
 _BLANK = dict.fromkeys(

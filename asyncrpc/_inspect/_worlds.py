@@ -31,10 +31,10 @@ from typing import Any, NoReturn
 
 from .._core import _registry, _side
 
-__all__ = [
+__all__ = (
     "Unreachable", "ask_world", "attempt_note", "is_stopped", "pick_world", "quiet_stderr",
     "run_command", "store_holder", "try_ask_world",
-]  # fmt: skip
+)  # fmt: skip
 
 EXIT_NO_WORLD = 1
 EXIT_WHICH_WORLD = 2

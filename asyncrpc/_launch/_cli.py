@@ -46,7 +46,7 @@ from ._launched import RESTART_VARIABLE
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-__all__ = ["BACKEND", "build_args", "main", "rendezvous_handler"]
+__all__ = ("BACKEND", "build_args", "main", "rendezvous_handler")
 
 BACKEND = "asyncrpc"
 _DEFAULT_TIMEOUT_S = 600

@@ -27,12 +27,12 @@ from typing import Any
 from .._core._errors import AsyncRPCError
 from . import _parent
 
-__all__ = ["PRELOAD", "dies_with_this_process", "spawner"]
+__all__ = ("PRELOAD", "dies_with_this_process", "spawner")
 
 # What the warm interpreter imports once, before it forks any worker. Not the script:
 # a script that runs torch ops when imported would start OpenMP's thread pool in the
 # warm interpreter, and workers forked from it hang at their first parallel op.
-PRELOAD = ["torch", "torch.distributed.rpc", "asyncrpc", "asyncrpc._launch._parent"]
+PRELOAD = ("torch", "torch.distributed.rpc", "asyncrpc", "asyncrpc._launch._parent")
 
 _AF_UNIX_MAX = 107  # bytes of a socket's path (108 with its NUL)
 _LISTENER = len("/listener-XXXXXXXX")  # the socket's name in multiprocessing's folder
@@ -49,7 +49,7 @@ def spawner(method: str) -> Any:
     context = multiprocessing.get_context(method)
     if method == "forkserver":
         _fit_socket_folder()
-        context.set_forkserver_preload(PRELOAD)
+        context.set_forkserver_preload(list(PRELOAD))  # multiprocessing asks for a list
     return context
 
 

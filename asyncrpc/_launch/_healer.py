@@ -28,7 +28,7 @@ from .._core import _cancel, _membership, _torch
 from .._core._membership import Joining
 from .._core._torch import PrefixStore, Store
 
-__all__ = ["Healer"]
+__all__ = ("Healer",)
 
 # How long survivors get to forget a dead member. Generous: a replacement that joins
 # before a survivor has forgotten the dead process finds torch's agent there still

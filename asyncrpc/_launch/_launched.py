@@ -31,7 +31,7 @@ from .._core._liveness import Liveness, describe, leave_world
 from .._core._membership import Joining
 from . import _parent
 
-__all__ = ["JOINING_VARIABLE", "RESTART_VARIABLE", "joining_from_env", "launched", "run_launched"]
+__all__ = ("JOINING_VARIABLE", "RESTART_VARIABLE", "joining_from_env", "launched", "run_launched")
 
 RESTART_VARIABLE = "ASYNCRPC_RESTART"  # asyncrpc-launch --restart: "world" or "worker"
 JOINING_VARIABLE = "ASYNCRPC_JOINING"  # --restart worker: "<torch id>,<tag>,<replacement 0|1>"

@@ -50,7 +50,7 @@ from . import _parent
 from ._healer import Healer
 from ._launched import JOINING_VARIABLE, RESTART_VARIABLE
 
-__all__ = ["run"]
+__all__ = ("run",)
 
 TAG = "0"  # the world's key space: one world per launch
 _POLL_S = 0.05  # how often a launcher looks at its workers

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-__all__ = ["LAUNCHER_VARIABLE", "PARENT_VARIABLE", "die_with_parent", "watch_launcher"]
+__all__ = ("LAUNCHER_VARIABLE", "PARENT_VARIABLE", "die_with_parent", "watch_launcher")
 
 PARENT_VARIABLE = "ASYNCRPC_FORKSERVER_PARENT"
 LAUNCHER_VARIABLE = "ASYNCRPC_LAUNCHER_PID"

@@ -43,7 +43,7 @@ from .._core._membership import Joining
 from . import _forkserver, _healer, _parent
 from ._launched import launched, run_launched
 
-__all__ = ["run"]
+__all__ = ("run",)
 
 _GRACE_S = 3.0  # how long survivors get to exit on their own after a failure
 _KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL

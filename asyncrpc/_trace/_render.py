@@ -12,19 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import types
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 from ._timeline import CATEGORY
 
-__all__ = ["main", "render_trace"]
+__all__ = ("main", "render_trace")
 
 _PALETTE = (
     "#4c9f70", "#e1a95f", "#8172b3", "#c44e52", "#64b5cd",
     "#937860", "#da8bc3", "#8c8c8c", "#ccb974", "#55a868",
 )  # fmt: skip
-_OURS = {"call": "#2f5d8c", "run": "#d9822b"}
+_OURS = types.MappingProxyType({"call": "#2f5d8c", "run": "#d9822b"})
 _ROW_INCHES = 0.32
 _LEGEND_ENTRIES = 8
 

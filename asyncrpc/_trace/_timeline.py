@@ -17,15 +17,16 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["merge", "write"]
+__all__ = ("merge", "write")
 
 CATEGORY = "asyncrpc"
-_LANE_TID = {"call": 1_000_000_000, "run": 1_100_000_000}
-_LANE_NAME = {"call": "calls out", "run": "calls in"}
-_KEPT_PHASES = {"X", "i", "I"}
+_LANE_TID = types.MappingProxyType({"call": 1_000_000_000, "run": 1_100_000_000})
+_LANE_NAME = types.MappingProxyType({"call": "calls out", "run": "calls in"})
+_KEPT_PHASES = frozenset({"X", "i", "I"})
 
 
 def merge(

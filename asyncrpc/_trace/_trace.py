@@ -13,6 +13,10 @@ so that its two ends can be joined afterwards::
 The control calls (begin, finish, clock samples) go through torch's own verbs
 on purpose, around asyncrpc's call path: they are not user calls, so they are
 neither traced nor counted as spans.
+
+A worker's recording belongs to its world (`_Recording`, a part of the
+world's runtime): a world that ends while a trace records stops the profiler
+and drops what it recorded, so the next world starts untraced.
 """
 
 from __future__ import annotations
@@ -32,17 +36,15 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from .._core import _calls, _torch, _world
+from .._core import _calls, _runtime, _torch, _world
 from .._core._errors import AsyncRPCError, CancelledError
 from .._core._execution import Kind, classify
 from . import _timeline
 
-__all__ = ["Trace", "outgoing", "recording", "trace", "worker_label"]
+__all__ = ("Trace", "outgoing", "recording", "trace", "worker_label")
 
 _CLOCK_SAMPLES = 5
-_recorder: _Recorder | None = None
-_recorder_lock = threading.Lock()
-_call_ids = itertools.count(1)
+_ABANDON_S = 10.0  # how long a world's end waits for a dropped recording's profiler to stop
 
 
 class _Recorder:
@@ -57,6 +59,7 @@ class _Recorder:
         self._stopped = threading.Event()
         self._error: BaseException | None = None
         self._text = ""
+        self._export = True  # False: stopped by the world's end, nobody reads the trace
         # torch's profiler is started and stopped on one thread; RPC calls may not be.
         self._thread = threading.Thread(target=self._record, name="asyncrpc-trace", daemon=True)
 
@@ -73,6 +76,12 @@ class _Recorder:
             raise AsyncRPCError(f"torch's profiler failed: {self._error}") from self._error
         return self._text
 
+    def abandon(self) -> None:
+        """Stop the profiler without exporting its trace (its world ended); never raises."""
+        self._export = False
+        self._stop.set()
+        self._stopped.wait(_ABANDON_S)
+
     def _record(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -88,6 +97,8 @@ class _Recorder:
         self._stop.wait()
         try:
             prof.stop()
+            if not self._export:
+                return
             with tempfile.TemporaryDirectory(prefix="asyncrpc-trace-") as folder:
                 path = pathlib.Path(folder, "trace.json")
                 prof.export_chrome_trace(str(path))
@@ -100,6 +111,32 @@ class _Recorder:
     def add(self, span: dict[str, Any], thread: tuple[int, str]) -> None:
         self.threads.setdefault(*thread)
         self.spans.append({**span, "tid": thread[0]})
+
+
+class _Recording:
+    """This worker's trace state in its world (a part): the recorder while one records.
+
+    Call ids count here too: a trace's ids are unique within the world that
+    recorded it, which is all that joining a call's two ends needs.
+    """
+
+    def __init__(self) -> None:
+        self.recorder: _Recorder | None = None
+        self.lock = threading.Lock()  # one begin or finish at a time
+        self.ids = itertools.count(1)
+
+    def close(self) -> None:
+        """The world ends: a recording left open stops, and calls are no longer traced."""
+        with self.lock:
+            recorder, self.recorder = self.recorder, None
+            if recorder is not None:
+                _calls.set_outgoing_hook(None)
+        if recorder is not None:
+            recorder.abandon()
+
+
+def _recording() -> _Recording:
+    return _runtime.part(_Recording)
 
 
 def _span(kind: str, name: str, start: int, **extra: Any) -> dict[str, Any]:
@@ -120,7 +157,7 @@ class _Traced:
         self.is_async = classify(fn) is Kind.ASYNC
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        recorder = _recorder
+        recorder = _recording().recorder
         if recorder is None:
             return self.fn(*args, **kwargs)
         start, thread = time.time_ns(), _this_thread()
@@ -180,7 +217,7 @@ def _label(fn: object) -> str:
 
 def recording() -> bool:
     """True while this worker records a trace."""
-    return _recorder is not None
+    return _recording().recorder is not None
 
 
 def outgoing(
@@ -190,7 +227,8 @@ def outgoing(
 
     Outside a trace: `fn` itself and no callback, so untraced calls cost nothing more.
     """
-    recorder = _recorder
+    state = _recording()
+    recorder = state.recorder
     if recorder is None:
         return fn, None
     start, thread = time.time_ns(), _this_thread()
@@ -198,7 +236,7 @@ def outgoing(
         call_id = 0  # sent by name to TorchScript: the callee's side cannot be marked
         sent: Callable[..., Any] = fn
     else:
-        call_id = (_world.current_context().rank << 32) + next(_call_ids)
+        call_id = (_world.current_context().rank << 32) + next(state.ids)
         sent = _Traced(fn, call_id, worker_label(_world.current_context()))
     label = f"-> {to}: {_label(fn)}"
 
@@ -226,16 +264,16 @@ def _boot_id() -> str:
 
 
 def _begin(session: str) -> dict[str, Any]:
-    global _recorder
-    with _recorder_lock:
-        if _recorder is not None:
+    state = _recording()
+    with state.lock:
+        if state.recorder is not None:
             raise AsyncRPCError(
                 f"{_world.current_context().name} is already recording a trace "
-                f"({_recorder.session}); close it before opening another"
+                f"({state.recorder.session}); close it before opening another"
             )
         recorder = _Recorder(session)
         recorder.start()
-        _recorder = recorder
+        state.recorder = recorder
         _calls.set_outgoing_hook(outgoing)
     return {"boot": _boot_id(), "pid": os.getpid()}
 
@@ -245,12 +283,12 @@ def _now() -> int:
 
 
 def _finish(session: str) -> dict[str, Any]:
-    global _recorder
-    with _recorder_lock:
-        recorder = _recorder
+    state = _recording()
+    with state.lock:
+        recorder = state.recorder
         if recorder is None or recorder.session != session:
             raise AsyncRPCError(f"no trace {session} is recording on this worker")
-        _recorder = None
+        state.recorder = None
         _calls.set_outgoing_hook(None)
     text = recorder.finish()
     threads = dict(recorder.threads)
@@ -319,7 +357,7 @@ def trace(
     target = pathlib.Path(path)
     if not target.parent.is_dir():
         raise FileNotFoundError(f"cannot write the trace to {str(target)!r}: no such folder")
-    session = f"{ctx.name}-{os.getpid()}-{next(_call_ids)}"
+    session = f"{ctx.name}-{os.getpid()}-{next(_recording().ids)}"
     result = Trace(target, names)
     started: list[str] = []
     offsets: dict[str, int] = {}

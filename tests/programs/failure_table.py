@@ -30,21 +30,10 @@ import torch
 
 import asyncrpc
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from remote_errors import HoldsALock, Rejected
+
 TIMEOUT_S = 1.0
-
-
-class Rejected(Exception):
-    """A user exception whose __init__ takes more than the message."""
-
-    def __init__(self, reason: str, code: int) -> None:
-        super().__init__(reason)
-        self.code = code
-
-
-class HoldsALock(Exception):
-    def __init__(self) -> None:
-        super().__init__("holds a lock")
-        self.lock = threading.Lock()
 
 
 def lookup() -> int:

@@ -13,15 +13,15 @@ has reached its wait); the others wait.
 
 import argparse
 import os
+import sys
 import time
 
 import torch
 
 import asyncrpc
 
-
-class ExampleFailure(Exception):
-    pass
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from remote_errors import ExampleFailure
 
 
 def main(ctx: asyncrpc.Context, hold_gil: bool, raise_rank: int, leave: bool) -> None:

@@ -1,10 +1,12 @@
 """worker2 raises from main; the others wait for it."""
 
+import os
+import sys
+
 import asyncrpc
 
-
-class ExampleFailure(Exception):
-    pass
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from remote_errors import ExampleFailure
 
 
 def main(ctx: asyncrpc.Context) -> None:
