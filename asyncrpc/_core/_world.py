@@ -54,7 +54,7 @@ from ._errors import (
     WorldSizeMismatchError,
 )
 from ._failures import check_reply, hold, name_failure
-from ._futures import await_future
+from ._futures import await_future, then_child
 from ._liveness import Liveness
 from ._membership import Joining, Members, Replaced
 from ._torch import PrefixStore, Store, WorkerInfo
@@ -317,6 +317,7 @@ _HOOKS = _torch.Hooks(
     check_owner=_check_owner,
     check_fork=_check_fork,
     reduce_rref=_reduce_rref,
+    then_child=then_child,
 )
 
 
