@@ -4,6 +4,8 @@
       ->  _handles, _batch, _fanout/, _trace/, _launch/  (features, apart from each other)
       ->  _core/  (the RPC core; its own modules in the order below)
 
+A subpackage (`_core/_torch/`) has its place among its siblings and its own
+order inside; its `__init__` gathers its modules, so it ranks above them.
 Imports are read from the source with `ast`, lazy ones inside functions included.
 """
 
@@ -76,6 +78,22 @@ INSIDE: dict[str, list[str]] = {
         "_copies",
         "_fanout",
     ],
+    "_core._torch": [
+        "_versions",
+        "_originals",
+        "_texts",
+        "_process",
+        "_modules",
+        "_launcher",
+        "_agent",
+        "_patches",
+        "_notes",
+        "_unread",
+        "_sending",
+        "_rrefs",
+        "_reads",
+        "_install",
+    ],
     "_trace": ["_timeline", "_render", "_trace"],
     "_launch": ["_parent", "_forkserver", "_launched", "_healer", "_supervisor", "_nodes", "_cli"],
     "_inspect": ["_worlds", "_dump", "_top"],
@@ -93,15 +111,30 @@ def _modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def _rank(module: str) -> tuple[int, int, int]:
-    """(layer, unit, position inside the unit) of a module."""
+def _rank(module: str) -> tuple[int, ...]:
+    """(layer, unit, position inside the unit[, position inside a subpackage]) of a module."""
     unit, _, inner = module.partition(".")
     for layer, units in enumerate(LAYERS):
         if unit in units:
-            order = INSIDE.get(unit, [])
-            position = order.index(inner) + 1 if inner else 0
-            return layer, units.index(unit), position
+            return (layer, units.index(unit), *_position(unit, inner))
     raise AssertionError(f"asyncrpc.{module} is not placed in LAYERS; add it to the order")
+
+
+def _position(unit: str, inner: str) -> tuple[int, ...]:
+    """Where `inner` (a dotted name below `unit`) sits in `unit`'s order; 0: `unit` itself."""
+    if not inner:
+        return (0,)
+    head, _, rest = inner.partition(".")
+    order = INSIDE.get(unit, [])
+    if head not in order:
+        raise AssertionError(f"asyncrpc.{unit}.{head} is not in INSIDE[{unit!r}]; place it")
+    place = order.index(head) + 1
+    package = f"{unit}.{head}"
+    if package not in INSIDE:
+        return (place,)
+    if not rest:  # a subpackage's __init__: above every module of its own
+        return (place, len(INSIDE[package]) + 1)
+    return (place, *_position(package, rest))
 
 
 def _imports(module: str, source: str, is_package: bool, known: set[str]) -> set[str]:
@@ -165,7 +198,8 @@ def test_every_module_has_a_place_in_the_order() -> None:
     for module in _modules():
         _rank(module)  # raises for a module nobody placed
     for unit, order in INSIDE.items():
-        present = {m.partition(".")[2] for m in _modules() if m.startswith(unit + ".")}
+        below = [m.removeprefix(unit + ".") for m in _modules() if m.startswith(unit + ".")]
+        present = {name.partition(".")[0] for name in below}  # a subpackage's modules: itself
         assert present == set(order), (unit, sorted(present ^ set(order)))
 
 
@@ -175,3 +209,15 @@ def test_the_check_sees_a_wrong_import() -> None:
     found = _imports("_core._calls", source, False, set(_modules()))
     assert found == {"_trace._trace"}
     assert _rank("_trace._trace") > _rank("_core._calls")
+
+
+def test_a_subpackage_has_its_own_order_and_its_init_ranks_above_it() -> None:
+    # The torch boundary's modules sit between _runtime and _failures, in their own order.
+    inside = [_rank(f"_core._torch.{name}") for name in INSIDE["_core._torch"]]
+    assert _rank("_core._runtime") < inside[0] and inside == sorted(inside)
+    assert inside[-1] < _rank("_core._torch") < _rank("_core._failures")
+    # A module of it importing a later one of its own is caught, as anywhere.
+    source = "from ._install import install\n"
+    found = _imports("_core._torch._agent", source, False, set(_modules()))
+    assert found == {"_core._torch._install"}
+    assert _rank("_core._torch._install") > _rank("_core._torch._agent")

@@ -21,7 +21,7 @@ reported the same way whichever verb made the call::
 
 No callback runs per call: a call's Future is torch's own, tagged with the
 worker and function; torch's read of it passes the unwrap hook
-(check_reply) and names torch's failures (asyncrpc/_core/_torch.py).
+(check_reply) and names torch's failures (asyncrpc/_core/_torch/).
 """
 
 from __future__ import annotations

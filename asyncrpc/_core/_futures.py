@@ -200,9 +200,6 @@ def then_child(child: Future[Any], source: Future[Any]) -> Future[Any]:
     return ThenChild(child, source).future
 
 
-_torch.on_then(then_child)
-
-
 def _futures(verb: str, items: Iterable[object]) -> list[Future[Any]]:
     if isinstance(items, _FutureType):
         raise TypeError(f"{verb} takes a list of Futures, got one Future; write {verb}([fut])")

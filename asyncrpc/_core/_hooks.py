@@ -23,7 +23,7 @@ from . import _cancel, _forks, _rendezvous, _runtime, _torch
 from ._cancel import Sent
 from ._errors import ObjectLostError, WorkerUnreachableError
 from ._failures import check_reply, hold, name_failure
-from ._futures import await_future
+from ._futures import await_future, then_child
 from ._unwaited import log_unwaited_failures
 
 if TYPE_CHECKING:
@@ -129,4 +129,5 @@ HOOKS = _torch.Hooks(
     check_owner=_check_owner,
     check_fork=_check_fork,
     reduce_rref=_reduce_rref,
+    then_child=then_child,
 )

@@ -40,7 +40,7 @@ from .._core import _torch
 from ._alone import mark_entries
 from ._reads import own_classes, readable
 
-__all__ = (
+__all__ = [
     "LAYERS",
     "CallHooks",
     "article",
@@ -49,7 +49,7 @@ __all__ = (
     "plain_attributes",
     "same_setting",
     "unprovable",
-)
+]
 
 _nn = torch.nn
 LAYERS: frozenset[type[torch.nn.Module]] = frozenset({
@@ -81,16 +81,6 @@ _PLAIN_BASES = frozenset({abc.ABC, typing.Generic})
 _SCALARS = frozenset({
     type(None), bool, int, float, complex, str, bytes, type(Ellipsis),
     torch.dtype, torch.device, torch.layout, torch.memory_format,
-})  # fmt: skip
-_REGISTER = types.MappingProxyType({
-    "_forward_hooks": "register_forward_hook",
-    "_forward_pre_hooks": "register_forward_pre_hook",
-    "_backward_hooks": "register_full_backward_hook",
-    "_backward_pre_hooks": "register_full_backward_pre_hook",
-    "_state_dict_hooks": "register_state_dict_post_hook",
-    "_state_dict_pre_hooks": "register_state_dict_pre_hook",
-    "_load_state_dict_pre_hooks": "register_load_state_dict_pre_hook",
-    "_load_state_dict_post_hooks": "register_load_state_dict_post_hook",
 })  # fmt: skip
 
 
@@ -166,7 +156,7 @@ def _layer_reason(sub: torch.nn.Module, where: str) -> str | None:
     kind = type(sub)
     if kind in LAYERS:
         return None
-    if kind.__name__ == "OptimizedModule" and hasattr(sub, "_orig_mod"):
+    if _torch.is_compiled(sub):
         return (
             f"{where} is compiled (torch.compile's OptimizedModule), whose forward the vmap "
             "engine cannot prove; pass the module it wraps (compiled._orig_mod) to the Fanout"
@@ -257,7 +247,8 @@ def hook_reason(sub: torch.nn.Module, where: str) -> str | None:
     for name, table in _torch.hook_tables(sub).items():
         if any(hook is not mark_entries for hook in table.values()):
             kind = name.strip("_").replace("_", " ")
-            how = f" ({_REGISTER[name]})" if name in _REGISTER else ""
+            registrar = _torch.hook_registrar(name)
+            how = f" ({registrar})" if registrar is not None else ""
             return f"{where} has {kind}{how}; a stacked call would skip them"
     return None
 

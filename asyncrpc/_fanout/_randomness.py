@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .._core import _torch
 from ._tuner import FanoutPlan
 
 __all__ = ("RandomGuard", "Watch")
@@ -95,7 +96,7 @@ class RandomGuard:
         shape = list(itertools.chain.from_iterable(map(dict.values, self._tables)))
         if shape != self._shape:
             self._subs = [sub for m in self._modules for sub in m.modules()]
-            self._tables = [vars(sub)["_modules"] for sub in self._subs]
+            self._tables = [_torch.module_tables(sub) for sub in self._subs]
             self._shape = list(itertools.chain.from_iterable(map(dict.values, self._tables)))
         return self._subs
 

@@ -189,14 +189,14 @@ class Storage:
 
     def versions(self) -> dict[str, int]:
         """Each stack's version: a stacked call that changes one in place bumps it."""
-        return {name: stack._version for name, stack in self.stacks.items()}
+        return {name: _torch.tensor_version(stack) for name, stack in self.stacks.items()}
 
     def write_back(self, held: list[torch.Tensor], before: dict[str, int]) -> None:
         """Copy rows a stacked call changed in place into members' shared tensors."""
         if not self._foreign:
             return
-        changed = {k for k, name in enumerate(self.names) if self.stacks[name]._version
-                   != before.get(name)}  # fmt: skip
+        changed = {k for k, name in enumerate(self.names)
+                   if _torch.tensor_version(self.stacks[name]) != before.get(name)}  # fmt: skip
         for j in self._foreign:
             if j // self.count in changed:
                 tensor = held[j]
