@@ -22,7 +22,7 @@ import torch.distributed.rpc as rpc
 
 import asyncrpc
 from asyncrpc._core import _torch
-from asyncrpc._core._torch import _install, _versions
+from asyncrpc._core._torch import _install, _patches, _versions
 
 from conftest import PROGRAMS, run_program
 
@@ -121,6 +121,38 @@ def test_the_boundarys_modules_reach_private_names_the_check_sees() -> None:
     # Each concern's module really is inside the boundary: the check would flag it elsewhere.
     for name in ("_agent.py", "_install.py", "_modules.py", "_reads.py", "_rrefs.py"):
         assert private_torch_uses((BOUNDARY / name).read_text(), name), name
+
+
+def test_each_boundary_module_says_what_it_owns_and_the_package_gathers_them() -> None:
+    for path in sorted(BOUNDARY.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        assert ast.get_docstring(tree), f"{path.name} opens with no docstring"
+        lines = len(path.read_text().splitlines())
+        assert lines <= 600, f"{path.name} has {lines} lines"
+        names = [n for n in tree.body if isinstance(n, ast.Assign)
+                 and any(getattr(t, "id", None) == "__all__" for t in n.targets)]  # fmt: skip
+        assert len(names) == 1 and isinstance(names[0].value, ast.Tuple), path.name
+    assert isinstance(_torch.__all__, tuple)
+    for name in _torch.__all__:
+        assert getattr(_torch, name) is not None, name
+
+
+def test_patches_put_back_newest_first_and_closing_twice_is_closing_once() -> None:
+    class Holder:
+        kept = "torch's"
+
+    table = {"old": 1}
+    patches = _patches.Patches()  # not the world's part: nothing of torch is touched
+    patches.patch(Holder, "kept", "ours")
+    patches.patch(Holder, "kept", "ours again")  # what was there first is remembered
+    patches.patch(Holder, "added", 1)
+    patches.patch(table, "old", 2)
+    patches.patch(table, "new", 3)
+    assert (Holder.kept, table) == ("ours again", {"old": 2, "new": 3})
+    patches.close()
+    patches.close()
+    assert Holder.kept == "torch's" and not hasattr(Holder, "added") and table == {"old": 1}
+    assert not patches.patched and patches.hooks is None
 
 
 def test_the_boundary_check_sees_private_names_through_aliases() -> None:
