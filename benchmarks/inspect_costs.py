@@ -111,7 +111,7 @@ def bookkeeping(ctx: asyncrpc.Context, rounds: int, calls: int) -> None:
 
 
 def hang_check_cost() -> None:
-    world = asyncrpc._core._world._world  # type: ignore[attr-defined]
+    world = asyncrpc._core._world.running_world()
     n = 1_000_000
     start = time.perf_counter()
     for _ in range(n):

@@ -38,7 +38,7 @@ __all__ = (
 class Notes:
     """The world's notes on torch Futures, each table keyed weakly by the Future."""
 
-    __slots__ = ("cancellers", "combined", "guards", "tags")
+    __slots__ = ("__weakref__", "cancellers", "combined", "guards", "tags")
 
     def __init__(self) -> None:
         self.tags: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()

@@ -46,7 +46,7 @@ class Hooks(NamedTuple):
 class Patches:
     """The world's patches of torch: what each replaced, and the hooks they call."""
 
-    __slots__ = ("hooks", "lock", "patched")
+    __slots__ = ("__weakref__", "hooks", "lock", "patched")
 
     def __init__(self) -> None:
         # (id of the holder, name) -> (holder, what it held, or _ABSENT), in patch order

@@ -65,7 +65,7 @@ _OWNER_TYPE = re.compile(
 class RRefKinds:
     """The type torch gives each RRef's value, where known here (an RRef's fork carries it)."""
 
-    __slots__ = ("kinds",)
+    __slots__ = ("__weakref__", "kinds")
 
     def __init__(self) -> None:
         self.kinds: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -188,13 +188,12 @@ def patch_pickling(patches: Patches, hooks: Hooks) -> None:
     pickler = _rpc_internal._internal_rpc_pickler
     reduce: Callable[[Any], Any] = pickler._py_rref_reducer
     receive = vars(_rpc_internal._InternalRPCPickler)["_py_rref_receiver"].__func__
-    # This world's parts, taken once: the patches are put back before the world ends.
-    sending = _runtime.part(Sending)
-    kinds = _runtime.part(RRefKinds).kinds
+    # The parts are looked up per RRef, never kept: torch may hold these functions
+    # (a pickler made while they were patched) after the world has ended.
 
     @functools.wraps(reduce)
     def checked_reduce(py_rref: Any) -> Any:
-        call = sending.call
+        call = _runtime.part(Sending).call
         if call is not None:  # a call of asyncrpc's: the callee is known
             own = hooks.reduce_rref(py_rref, *call)
             if own is not None:
@@ -210,7 +209,7 @@ def patch_pickling(patches: Patches, hooks: Hooks) -> None:
         heals = hooks.check_fork(int(fork_data[0]), int(fork_data[5]))
         rref = receive(cls, fork_data)
         if heals:  # its owner made it: `_forks` may send it on without torch's messages
-            kinds[rref] = str(fork_data[6])
+            _runtime.part(RRefKinds).kinds[rref] = str(fork_data[6])
         return rref
 
     patches.patch(pickler, "_py_rref_reducer", checked_reduce)

@@ -49,7 +49,7 @@ class _Watched:
 class Unread:
     """The world's watched Futures (`watch_unread`), each held weakly."""
 
-    __slots__ = ("watched",)
+    __slots__ = ("__weakref__", "watched")
 
     def __init__(self) -> None:
         self.watched: weakref.WeakKeyDictionary[Any, _Watched] = weakref.WeakKeyDictionary()
