@@ -88,3 +88,11 @@ def test_two_worlds_in_a_row_share_nothing_and_leave_nothing_behind() -> None:
         "two worlds OK",
     ):
         assert line in result.stdout, result.stdout
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_a_world_started_right_after_torch_ended_an_adopted_one_makes_its_own() -> None:
+    result = run_program("python", str(PROGRAMS / "adopted_then_init.py"), timeout=100)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "adopted then init OK" in result.stdout, result.stdout

@@ -66,9 +66,9 @@ class Reporter:
 
 
 def watch(reply: Any, seconds: float, queues: tuple[int, ...]) -> None:
-    """Report `reply`'s call if it is still pending in `seconds`."""
-    ref = weakref.ref(reply)
-    call_later(seconds, lambda: _due(ref, seconds, queues))
+    """Report `reply`'s call if it is still pending in `seconds` (and its world still runs)."""
+    ref, world = weakref.ref(reply), weakref.ref(_runtime.SLOT.runtime)
+    call_later(seconds, lambda: _due(ref, world, seconds, queues))
 
 
 class _Pending:
@@ -95,12 +95,17 @@ def watch_future(
     watch(pending, seconds, queues)
 
 
-def _due(ref: weakref.ref[Any], seconds: float, queues: tuple[int, ...]) -> None:
-    reply = ref()
-    if reply is None or not reply.pending():
-        return
+def _due(
+    ref: weakref.ref[Any],
+    world: weakref.ref[_runtime.Runtime],
+    seconds: float,
+    queues: tuple[int, ...],
+) -> None:
+    reply, runtime = ref(), world()
+    if reply is None or not reply.pending() or runtime is None or runtime.closed:
+        return  # done, or its world ended: no reporter thread in the next world
     job = (reply.worker, reply.label, reply.key, seconds, queues)
-    reporter = _runtime.part(Reporter)
+    reporter = runtime.make(Reporter)
     with reporter.lock:
         if reporter.thread is None:
             reporter.thread = threading.Thread(

@@ -267,6 +267,7 @@ def start(
     `shutdown`.
     """
     with _runtime.SLOT.lock:
+        _end_stale_adoption()
         _refuse_second_world()
         if hosts_store:
             store = _rendezvous.host_store(master_addr, master_port, settings.init_timeout)
@@ -299,6 +300,20 @@ def start(
             raise
         _runtime.SLOT.shut_down = False
         return context
+
+
+def _end_stale_adoption() -> None:
+    """End an adopted world whose agent torch's own `rpc.shutdown()` stopped.
+
+    Its guard thread notices within 0.2 s; a world started sooner must not
+    take over what the adopted one set up (its side channel, its parts).
+    """
+    runtime = _runtime.SLOT.runtime
+    adopted = runtime.adopted
+    if adopted is None or runtime.world is not None:
+        return
+    if not _torch.agent_running() or _torch.current_agent() is not adopted[0]:
+        _end_world(adopted[1], left=True)
 
 
 def _refuse_second_world() -> None:

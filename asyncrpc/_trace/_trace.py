@@ -406,6 +406,8 @@ def _traced_workers(ctx: _world.Context, workers: Sequence[str] | None) -> list[
 
 
 def _collect(session: str, started: list[str], me: str) -> dict[str, dict[str, Any]]:
+    # A world ended inside the trace took its recording with it: say so, as a call would.
+    _world.current_world("asyncrpc.trace()")
     futures = {n: _torch.rpc_async(_world.target(n), _finish, args=(session,))
                for n in started if n != me}  # fmt: skip
     parts = {me: _finish(session)} if me in started else {}
