@@ -42,7 +42,7 @@ def _summary(out: str) -> dict[str, Any]:
 
 @pytest.mark.skipif(
     tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 15),
-    reason="under torch 2.15 a survivor deadlocks in about 1 run in 5: an RPC thread holding "
+    reason="under torch 2.15 a survivor deadlocks in about 1 run in 4: an RPC thread holding "
     "the GIL drops a PyRRef and waits in torch's RRefContext::delUser for a lock that a "
     "TensorPipe loop thread holds while it waits for the GIL (a send to the dead owner fails "
     "inline and frees Python tensors); torch's lock order, not asyncrpc's, and the issue that "
