@@ -121,7 +121,7 @@ def current_context() -> Context:
 
 def current_world(what: str) -> World:
     """The running world, started by asyncrpc or by torch; NotInitializedError outside one."""
-    world: World | None = _runtime.SLOT.runtime.world
+    world = running_world()
     if world is not None:
         return world
     if not _torch.agent_running():
@@ -166,10 +166,7 @@ def _torch_shut_down() -> bool:
     if not lock.acquire(blocking=False):
         return False
     try:
-        runtime = _runtime.SLOT.runtime
-        adopted = runtime.adopted
-        if runtime.world is None and adopted is not None and not _torch.agent_running():
-            _end_world(adopted[1], left=True)
+        _end_stale_adoption()
         return True
     finally:
         lock.release()
