@@ -19,7 +19,6 @@ import re
 from typing import Any
 
 import pytest
-import torch
 
 from conftest import PROGRAMS, run_program
 
@@ -40,14 +39,6 @@ def _summary(out: str) -> dict[str, Any]:
     return summary
 
 
-@pytest.mark.skipif(
-    tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 15),
-    reason="under torch 2.15 a survivor deadlocks in about 1 run in 4: an RPC thread holding "
-    "the GIL drops a PyRRef and waits in torch's RRefContext::delUser for a lock that a "
-    "TensorPipe loop thread holds while it waits for the GIL (a send to the dead owner fails "
-    "inline and frees Python tensors); torch's lock order, not asyncrpc's, and the issue that "
-    "asked for this test stays open until asyncrpc works around it",
-)
 def test_a_learner_survives_its_actors_killed_100_times() -> None:
     # One test over one run of the program (about a minute): separate tests over a
     # shared fixture ran it once per xdist worker that picked one up.

@@ -77,3 +77,16 @@ def test_nested_calls_and_then_callbacks_that_meet_the_death_fail_named() -> Non
 def test_a_dead_consumers_streams_are_closed_on_their_producer() -> None:
     seen = _run("consumer-dies")
     assert seen["after"] == [seen["first"]] * 4, seen  # no generator, no thread left over
+
+
+def test_rrefs_of_a_world_that_heals_are_let_go_on_one_thread_and_freed_at_their_owner() -> None:
+    # torch 2.15 lets the GIL go inside RRefContext::delUser: two Python threads
+    # dropping RRefs at once can stop for good (asyncrpc/_core/_torch/_releases.py).
+    result = run_program("python", str(PROGRAMS / "rref_releases.py"), timeout=200)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    found = re.search(r"^releases: (\{.*\})$", result.stdout, re.MULTILINE)
+    assert found is not None, result.stdout[-3000:]
+    seen = json.loads(found.group(1))
+    assert seen["held_while_used"] and seen["threads"] == ["asyncrpc-rref-release"], seen
+    assert seen["freed"] and seen["kept"] == -1 and seen["kept_freed"], seen  # owners free them
+    assert seen["left_held_here"] == 1 and seen["left_held_on_worker2"] == 0, seen  # `kept` only

@@ -90,6 +90,7 @@ INSIDE: dict[str, list[str]] = {
         "_notes",
         "_unread",
         "_sending",
+        "_releases",
         "_rrefs",
         "_reads",
         "_install",

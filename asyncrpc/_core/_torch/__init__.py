@@ -33,6 +33,7 @@ Its modules, lowest first (each imports only those before it, `_errors` and
     _notes       tags, guards, combined Futures, cancellers; `cancel`
     _unread      failures nobody read (`watch_unread`)
     _sending     torch's UDF send and pickler; the callee of the call being pickled
+    _releases    the RRefs of a world that heals, dropped on one thread (torch's lock order)
     _rrefs       RRef ids, owners, kinds, forks without messages; the pickling patch
     _reads       the patched Future and RRef reads: carried failures, torch's named
     _install     `install` (checked first) and `uninstall`

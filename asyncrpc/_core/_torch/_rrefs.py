@@ -30,6 +30,7 @@ from .. import _runtime
 from .._errors import UnsupportedTorchError
 from ._originals import future_wait
 from ._patches import Hooks, Patches
+from ._releases import hold
 from ._sending import Sending
 from ._versions import TESTED_TORCH
 
@@ -78,6 +79,7 @@ def note_kind(rref: Any, kind: str) -> None:
     `wait_created`), and its type is not known.
     """
     _runtime.part(RRefKinds).kinds[rref] = kind
+    hold(rref)  # dropped on one thread only (`_releases`: torch 2.15's lock order)
 
 
 def rref_kind(rref: Any) -> str | None:
@@ -209,7 +211,7 @@ def patch_pickling(patches: Patches, hooks: Hooks) -> None:
         heals = hooks.check_fork(int(fork_data[0]), int(fork_data[5]))
         rref = receive(cls, fork_data)
         if heals:  # its owner made it: `_forks` may send it on without torch's messages
-            _runtime.part(RRefKinds).kinds[rref] = str(fork_data[6])
+            note_kind(rref, str(fork_data[6]))
         return rref
 
     patches.patch(pickler, "_py_rref_reducer", checked_reduce)
