@@ -180,7 +180,7 @@ def check(
     label: object = None,
 ) -> Call:
     """Validate one call before anything is sent; `label` names it in errors (default: func)."""
-    world = _world.running_world() or _world.current_world(f"asyncrpc.{verb}")
+    world = _runtime.running_world() or _world.current_world(f"asyncrpc.{verb}")
     worker = _worker_name(verb, to, world.context.names)
     if world.members is not None:  # a world that heals: `worker` may be being replaced
         world.members.check_call(worker)
@@ -311,7 +311,7 @@ def _dispatch(call: Call, remote: bool) -> tuple[Any, bool, Callable[[Any], None
 
 def _healing(call: Call) -> int | None:
     """The callee's torch id in a world that heals (see `_forks`), else None."""
-    world = _world.running_world()
+    world = _runtime.running_world()
     if world is None or world.members is None or not isinstance(call.to, WorkerInfo):
         return None
     return int(call.to.id)
@@ -342,8 +342,8 @@ OutgoingHook: TypeAlias = Callable[
 ]
 
 
-class Sending:
-    """This world's sending state (a part of `_runtime`): the trace's hook, nested waits.
+class Outgoing:
+    """This world's outgoing calls' state (a part of `_runtime`): the trace's hook, nested waits.
 
     `outgoing`: while a trace records, every call passes through it.
     `blocked`: how many of this process's RPC threads wait in a nested blocking call.
@@ -357,11 +357,11 @@ class Sending:
 
 def set_outgoing_hook(hook: OutgoingHook | None) -> None:
     """Have every call pass through `hook(worker, func) -> (sent, on_reply)`; None: off."""
-    _runtime.part(Sending).outgoing = hook
+    _runtime.part(Outgoing).outgoing = hook
 
 
 def _traced(worker: str, func: Callable[..., Any]) -> tuple[Callable[..., Any], Any]:
-    hook = _runtime.part(Sending).outgoing
+    hook = _runtime.part(Outgoing).outgoing
     if hook is None:
         return func, None  # the common case costs one lookup
     return hook(worker, func)
@@ -395,13 +395,13 @@ class holding_rpc_thread:
     def __init__(self, worker: str, label: object) -> None:
         self.nested = _torch.is_rpc_thread()
         self.worker, self.label = worker, label
-        self.sending: Sending | None = None
+        self.sending: Outgoing | None = None
 
     def __enter__(self) -> None:
         if not self.nested:
             return
         limit = _world.current_world("rpc_sync").threads - 1
-        sending = self.sending = _runtime.part(Sending)
+        sending = self.sending = _runtime.part(Outgoing)
         with sending.lock:
             if sending.blocked >= limit:
                 raise NestedCallError(

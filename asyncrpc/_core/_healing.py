@@ -74,7 +74,7 @@ def _welcome_all(world: World, timeout: float) -> None:
 
 def _starting_members() -> World | None:
     """This process's world, once it knows its members (waiting while it starts)."""
-    world: World | None = _runtime.SLOT.runtime.world
+    world = _runtime.running_world()
     if world is not None and world.settings is not None:
         world.members_known.wait(world.settings.init_timeout)
     return world

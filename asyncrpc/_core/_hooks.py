@@ -27,14 +27,9 @@ from ._futures import await_future, then_child
 from ._unwaited import log_unwaited_failures
 
 if TYPE_CHECKING:
-    from ._world import World
+    pass
 
 __all__ = ("HOOKS", "install", "owner_of")
-
-
-def _world_now() -> World | None:
-    world: World | None = _runtime.SLOT.runtime.world
-    return world
 
 
 def install() -> None:
@@ -60,7 +55,7 @@ def _check_fork(owner: Any, sender: int | None = None) -> bool:
     a fork that involves a dead process is refused here first. Cheap where
     nothing died: one attribute read. True in a world that heals.
     """
-    world = _world_now()
+    world = _runtime.running_world()
     members = world.members if world is not None else None
     if members is None:
         return False
@@ -81,7 +76,7 @@ def _check_fork(owner: Any, sender: int | None = None) -> bool:
 
 def _reduce_rref(py_rref: Any, to: int, keep: list[Any]) -> Any:
     """An RRef pickled into an asyncrpc call to torch id `to` (see `_forks`)."""
-    world = _world_now()
+    world = _runtime.running_world()
     if world is None or world.members is None:
         _check_fork(py_rref)
         return None
@@ -94,7 +89,7 @@ def owner_of(rref: Any, what: str) -> str:
     `what` names the object in the error ("the object of this handle").
     """
     owner = _torch.rref_owner(rref)
-    world = _world_now()
+    world = _runtime.running_world()
     if world is not None and world.members is not None:
         owner_id = owner if isinstance(owner, int) else int(owner.id)
         world.members.check_owner(owner_id, what)

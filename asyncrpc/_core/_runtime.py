@@ -27,9 +27,12 @@ type) stay in their modules; docs/design.md lists them.
 from __future__ import annotations
 
 import threading
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-__all__ = ("SLOT", "THREAD", "Runtime", "end", "part")
+if TYPE_CHECKING:
+    from ._world import World
+
+__all__ = ("SLOT", "THREAD", "Runtime", "end", "part", "running_world")
 
 P = TypeVar("P")
 
@@ -107,6 +110,19 @@ class _Thread(threading.local):
 
 SLOT = _Process()
 THREAD = _Thread()
+
+
+def running_world() -> World | None:
+    """The world asyncrpc started or adopted, if one runs now (None: none, or not adopted yet).
+
+    Example::
+
+        world = _runtime.running_world()
+        if world is not None and world.members is not None:  # a world that heals
+            ...
+    """
+    world: World | None = SLOT.runtime.world
+    return world
 
 
 def part(kind: type[P]) -> P:

@@ -422,7 +422,7 @@ def _open(
     with producers.lock:
         producers.open[key] = producer
         producers.counted()
-    world = _world.running_world()
+    world = _runtime.running_world()
     if world is not None and world.members is not None:  # a world that heals
         world.members.on_gone(_close_from)
     if inspect.isasyncgen(gen):

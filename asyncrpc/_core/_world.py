@@ -121,18 +121,12 @@ def current_context() -> Context:
 
 def current_world(what: str) -> World:
     """The running world, started by asyncrpc or by torch; NotInitializedError outside one."""
-    world = running_world()
+    world = _runtime.running_world()
     if world is not None:
         return world
     if not _torch.agent_running():
         raise NotInitializedError(_not_running_message(what))
     return _adopt()
-
-
-def running_world() -> World | None:
-    """The world asyncrpc started or adopted, if one runs now (None: none, or not adopted yet)."""
-    world: World | None = _runtime.SLOT.runtime.world
-    return world
 
 
 def _adopt() -> World:
@@ -314,7 +308,7 @@ def _end_stale_adoption() -> None:
 
 
 def _refuse_second_world() -> None:
-    world = running_world()
+    world = _runtime.running_world()
     if world is not None or _torch.agent_running():
         name = world.context.name if world is not None else rpc.get_worker_info().name
         raise AsyncRPCError(
@@ -437,7 +431,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             asyncrpc.shutdown()
     """
     with _runtime.SLOT.lock:
-        world = running_world()
+        world = _runtime.running_world()
         dead_peer = None
         try:
             if world is not None or _torch.agent_running():
@@ -490,7 +484,7 @@ def _dead_name(record: str) -> str:
 
 def current_liveness() -> Liveness | None:
     """The running world's liveness watch, if it has one."""
-    world = running_world()
+    world = _runtime.running_world()
     return world.liveness if world is not None else None
 
 

@@ -11,7 +11,7 @@ from types import MappingProxyType
 import torch
 
 import asyncrpc
-from asyncrpc._core import _torch, _world
+from asyncrpc._core import _runtime, _torch
 from asyncrpc._core._torch import _install
 
 if __name__ == "__main__":
@@ -21,7 +21,7 @@ if __name__ == "__main__":
         asyncrpc.init(rank=0, world_size=1, master_port=0)
     except asyncrpc.UnsupportedTorchError as exc:
         print(f"refused: {exc}")
-    left = _world.running_world() is not None or _torch.agent_running()
+    left = _runtime.running_world() is not None or _torch.agent_running()
     assert not left, "a failed start left a world"
     assert "__await__" not in vars(torch._C.Future), "a failed start left patches"
     _install.CORE_HOOKS = core

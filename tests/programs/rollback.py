@@ -85,7 +85,7 @@ def fail(what: str) -> None:
 
 
 def check_put_back(when: str, before: dict[str, object], env: dict[str, str]) -> None:
-    from asyncrpc._core import _registry, _threadstates, _torch, _world
+    from asyncrpc._core import _registry, _runtime, _threadstates, _torch
 
     if _torch.agent_running():
         fail(f"{when}: torch's agent still runs")
@@ -105,7 +105,7 @@ def check_put_back(when: str, before: dict[str, object], env: dict[str, str]) ->
         fail(f"{when}: environment changed {diff}")
     print(f"{when}: environment restored", flush=True)
     left = sorted(_registry.folder().glob("*.json"))
-    world = _world.running_world()
+    world = _runtime.running_world()
     if left or world is not None or _threadstates.kept():
         fail(f"{when}: left {left}, world {world}, kept {_threadstates.kept()}")
     print(f"{when}: no registration, no world", flush=True)

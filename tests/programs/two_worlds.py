@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import asyncrpc
-from asyncrpc._core import _runtime, _world
+from asyncrpc._core import _runtime
 
 
 class Counter:
@@ -67,7 +67,7 @@ def traffic() -> None:
 def world_objects() -> dict[str, Any]:
     """The running world, its runtime and every part the traffic made."""
     runtime = _runtime.SLOT.runtime
-    found: dict[str, Any] = {"world": _world.running_world(), "runtime": runtime}
+    found: dict[str, Any] = {"world": _runtime.running_world(), "runtime": runtime}
     for kind, part in runtime.parts.items():
         found[f"part {kind.__module__}.{kind.__qualname__}"] = part
     return found
