@@ -52,6 +52,16 @@ def test_an_object_of_a_dead_process_sent_on_raises_object_lost_naming_its_worke
         assert result["name"] == "worker2" and "worker 'worker2'" in result["message"], result
 
 
+def test_an_rref_returned_as_its_owner_dies_is_named_and_the_caller_lives() -> None:
+    # torch's own fork request for it would be retried to the dead owner for about 13 s;
+    # the last failure ended the caller (SIGABRT). The test waits those 16 s out.
+    seen = _run("returned")
+    assert seen["alive"]["attempt"] == 0, seen
+    for how in ("rref", "handle"):
+        assert seen[how].get("error") == "ObjectLostError", (how, seen[how])
+        assert seen[how]["name"] == "worker2" and "returned by a call" in seen[how]["message"]
+
+
 def test_two_deaths_at_once_fail_every_call_named() -> None:
     seen = _run("two-deaths")
     assert seen["failures"], "no call met a worker being replaced: the test saw nothing"

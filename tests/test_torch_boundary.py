@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import ast
 import gc
+import json
 import os
 import pathlib
+import re
 import sys
 import tempfile
 import threading
@@ -623,3 +625,16 @@ def test_a_dead_member_leaves_the_group_list_under_the_groups_token() -> None:
     store.set("RpcGroupManagementToken", "Token_for_worker0_join")  # stuck: taken in the end
     _torch.forget_member(store, "worker1", 1, dead, timeout=0.2)
     assert store.get("names/_ALL_WORKER_INFOS") == b"worker0-0,"
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_a_join_that_meets_a_dead_member_fails_at_once() -> None:
+    # torch's own failed join waits 20 s for its own token, then hangs in its
+    # shutdown (tests/programs/failed_join.py torch); a replacement joins this way.
+    result = run_program("python", str(PROGRAMS / "failed_join.py"), "fast", timeout=100)
+    found = re.search(r"^failed join: (\{.*\})$", result.stdout, re.MULTILINE)
+    assert found is not None, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    seen = json.loads(found.group(1))
+    assert "connection refused" in seen["error"].lower(), seen  # torch's own failure, raised
+    assert seen["seconds"] < 5.0, seen  # not the store's 20 s

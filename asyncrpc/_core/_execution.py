@@ -125,6 +125,7 @@ def run_python(
     callee also writes the error to its stderr.
     """
     _meet_world()
+    _runtime.THREAD.replying = None  # a call before this one is replied to by now
     state = _cancel.begin(key, (func, args)) if key else None
     if key and state is None:
         return _cancelled(func, args, before=True)
@@ -142,6 +143,8 @@ def run_python(
             _cancel.end(state)
     if state is not None and state.cancelled:
         return _cancelled(func, args)
+    if key:  # torch pickles `value` next, on this thread: an RRef in it goes to the caller
+        _runtime.THREAD.replying = key >> _cancel.KEY_BITS
     return value
 
 

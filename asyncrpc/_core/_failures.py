@@ -409,7 +409,7 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
     return named
 
 
-_LOST_OWNER = re.compile(r"ObjectLostError: (.*?lived on worker '([^']*)'.*?)(?:\n\n|\nAt:|$)",
+_LOST_OWNER = re.compile(r"ObjectLostError: (.*?live[sd] on worker '([^']*)'.*?)(?:\n\n|\nAt:|$)",
                          re.DOTALL)  # fmt: skip
 
 
@@ -418,7 +418,7 @@ def _lost(error: BaseException, worker: str, func: object) -> ObjectLostError:
     found = _LOST_OWNER.search(str(error))
     if found is not None:  # the callee's own ObjectLostError, carried in torch's text
         return ObjectLostError(
-            f"the call to {label_of(func)} on worker {worker!r} was refused there: "
+            f"the call to {label_of(func)} on worker {worker!r} failed there: "
             f"{found.group(1).strip()}",
             found.group(2),
         )

@@ -19,6 +19,12 @@ ways that need none of these messages::
                           it pickles (`adopt`: taken in          pickles; an owner that
                           without telling anyone)                died: ObjectLostError
 
+The reply of a call asyncrpc sent crosses the same way (the caller is the
+receiver: `THREAD.replying`), except that an RRef owned by the caller goes
+as torch's fork. Without this, an RRef owned by a third worker that died as
+the reply was on its way made the caller send torch's fork request to it,
+retried, whose last failure ended the caller's process (SIGABRT).
+
 An RRef that asyncrpc's `remote()` made of an operator (a type not known here)
 is waited for first: its owner makes it, or `ObjectLostError`. Where the callee
 is not known (a value returned, torch's own verbs), and for an RRef made by
@@ -38,15 +44,19 @@ from ._membership import Members
 __all__ = ["adopt", "fork_here", "owned", "reduce"]
 
 
-def reduce(py_rref: Any, to: int, keep: list[Any], me: int, members: Members) -> Any:
+def reduce(py_rref: Any, to: int, keep: list[Any] | None, me: int, members: Members) -> Any:
     """How `py_rref` is pickled into a call to torch id `to` (see the module's table).
 
     A reduce tuple, or None for torch's own fork. `me`: this process's torch id.
+    `keep` None: the reply to a call `to` made; an RRef owned by `to` then goes
+    as torch's fork (the owner sends one notice back, not retried), as nothing
+    here can hold the reply's RRef until `to` has taken it in.
     """
     found = _torch.rref_owner(py_rref)
     owner = found if isinstance(found, int) else int(found.id)
-    members.check_owner(owner, "the object of an RRef or handle passed to a call")
-    if owner == me:
+    what = "returned by a call" if keep is None else "passed to a call"
+    members.check_owner(owner, f"the object of an RRef or handle {what}")
+    if owner == me or (owner == to and keep is None):
         return None
     kind = _torch.rref_kind(py_rref)
     if kind is None:  # not made here by asyncrpc, nor received: torch's own remote()
@@ -54,10 +64,10 @@ def reduce(py_rref: Any, to: int, keep: list[Any], me: int, members: Members) ->
     if kind == _torch.PENDING:  # asyncrpc's remote() of an operator: its type is the owner's
         _confirmed(py_rref, owner, members)
         kind = ""
-    if owner == to:
+    if owner == to and keep is not None:
         keep.append(py_rref)  # the owner keeps the object while this RRef lives
         return (owned, (owner, *_torch.rref_id(py_rref), kind))
-    return (adopt, (_lend(py_rref, owner, kind, members),))
+    return (adopt, (_lend(py_rref, owner, kind, members, what),))
 
 
 def _confirmed(py_rref: Any, owner: int, members: Members) -> None:
@@ -89,8 +99,11 @@ _CONFIRM_S = 60.0
 _POLL_S = 0.001
 
 
-def _lend(py_rref: Any, owner: int, kind: str, members: Members) -> tuple[Any, ...]:
-    """Ask `owner` for a fork of `py_rref` that the callee takes in without a message."""
+def _lend(py_rref: Any, owner: int, kind: str, members: Members, what: str) -> tuple[Any, ...]:
+    """Ask `owner` for a fork of `py_rref` that the callee takes in without a message.
+
+    `what`: how the RRef crosses ("passed to a call"), for the error.
+    """
     name = members.name_of(owner)
     try:
         if name is None:
@@ -99,9 +112,9 @@ def _lend(py_rref: Any, owner: int, kind: str, members: Members) -> tuple[Any, .
             members.info(name), fork_here, args=(*_torch.rref_id(py_rref), kind)
         )
     except RuntimeError as exc:  # the owner died, or is dying: the object goes with it
-        members.check_owner(owner, "the object of an RRef or handle passed to a call")
+        members.check_owner(owner, f"the object of an RRef or handle {what}")
         raise ObjectLostError(
-            f"an RRef or handle passed to a call could not be handed on: its object lives "
+            f"an RRef or handle {what} could not be handed on: its object lives "
             f"on worker {name!r}, which cannot be reached ({str(exc).splitlines()[0]}); "
             f"it has probably died, and the object with it",
             name or "",

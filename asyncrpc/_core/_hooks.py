@@ -74,8 +74,8 @@ def _check_fork(owner: Any, sender: int | None = None) -> bool:
     return True
 
 
-def _reduce_rref(py_rref: Any, to: int, keep: list[Any]) -> Any:
-    """An RRef pickled into an asyncrpc call to torch id `to` (see `_forks`)."""
+def _reduce_rref(py_rref: Any, to: int, keep: list[Any] | None) -> Any:
+    """An RRef pickled into an asyncrpc call to torch id `to`, or its reply (`keep` None)."""
     world = _runtime.running_world()
     if world is None or world.members is None:
         _check_fork(py_rref)

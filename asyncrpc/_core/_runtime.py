@@ -99,13 +99,16 @@ class _Thread(threading.local):
 
     `call`: the `_cancel.Running` call it runs. `driving`: it drives an
     `async_execution` coroutine (`_futures`). `asked`/`made`: a reply the
-    function it runs made early (`_execution`).
+    function it runs made early (`_execution`). `replying`: the torch id of
+    the caller whose reply torch pickles on this thread now (`_execution`),
+    so an RRef in it crosses as `_forks` says.
     """
 
     call: Any = None
     driving = False
     asked = False
     made: Any = None
+    replying: int | None = None
 
 
 SLOT = _Process()

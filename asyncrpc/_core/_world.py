@@ -397,7 +397,8 @@ def _start_agent(world: World, master_addr: str, joining: Joining | None) -> Non
         settings.transports,
         settings.channels,
     )
-    with warnings.catch_warnings():
+    joins = _torch.failing_fast() if joining is not None else contextlib.nullcontext()
+    with warnings.catch_warnings(), joins:
         # torch's agent set-up uses a Gloo backend internally and warns about it.
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
         rpc.init_rpc(  # type: ignore[no-untyped-call]

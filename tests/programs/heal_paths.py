@@ -7,6 +7,7 @@ SCENARIO:
               (a generator, an async generator and a handle's generator; windows 1, 4, 32)
   arguments   an object whose owner died, sent on after the heal: as a handle or an RRef,
               from worker0 and from a survivor that was lent the handle before the death
+  returned    an RRef or handle returned by a call as its owner dies: named, the caller lives
   two-deaths  two workers killed together: every call to either fails named until its
               replacement joined, the calls each replacement makes to the other too
 
@@ -15,6 +16,7 @@ worker0 drives and prints one line, `heal paths: {json}`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -175,6 +177,35 @@ def arguments() -> dict[str, Any]:
     }
 
 
+# ---- an RRef returned as its owner dies ---------------------------------------------------
+
+
+def make_then_kill_owner(owner_pid: int, how: str) -> Any:
+    """On worker1: an RRef (or handle) to an object on worker2; worker2 killed; returned."""
+    made = asyncrpc.remote("worker2", pid) if how == "rref" else asyncrpc.spawn("worker2", Counter)
+    assert (made.to_here() if how == "rref" else made.call("add", 1)) > 0
+    os.kill(owner_pid, signal.SIGKILL)
+    return {"made": [made]}  # inside a value, as results are
+
+
+def returned() -> dict[str, Any]:
+    """worker1 returns an RRef whose owner it has just killed; worker0 must live on."""
+    seen: dict[str, Any] = {}
+    for how in ("rref", "handle"):
+        before = asyncrpc.rpc_sync("worker2", attempt)
+        victim = asyncrpc.rpc_sync("worker2", pid)
+        call = functools.partial(asyncrpc.rpc_sync, "worker1", make_then_kill_owner,
+                                 args=(victim, how))  # fmt: skip
+        seen[how] = outcome(call)
+        until_back("worker2", before + 1)
+    time.sleep(RETRIES_S)  # torch's retried notices would have failed, and ended this process
+    seen["alive"] = {"pid": os.getpid(), "attempt": asyncrpc.current_context().attempt}
+    return seen
+
+
+RETRIES_S = 16.0  # torch retries an RRef's fork notice for about 13 s
+
+
 # ---- two deaths at once -------------------------------------------------------------------
 
 
@@ -305,6 +336,7 @@ def main(ctx: asyncrpc.Context, scenario: str) -> None:
         "batch": batch_beside,
         "nested": nested,
         "consumer-dies": consumer_dies,
+        "returned": returned,
     }[scenario]
     print("heal paths: " + json.dumps(run()), flush=True)
 

@@ -1,15 +1,17 @@
 """torch's RPC agent of this process: its group and store, its workers, and its shutdown steps.
 
 Also the edits asyncrpc makes to a dynamic group's member list in the store
-(a world that heals), and the probe that has the agent close its pipe to a
-process that died.
+(a world that heals), the probe that has the agent close its pipe to a
+process that died, and a join that fails without waiting for itself
+(`failing_fast`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from torch._C import _distributed_rpc as _rpc_c
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch._C._distributed_rpc import WorkerInfo
 from torch.distributed.rpc import api as _rpc_api
+from torch.distributed.rpc import backend_registry as _backends
 
 from ._originals import rpc_async
 
@@ -32,6 +35,7 @@ __all__ = (
     "backend_options",
     "close_pipe",
     "current_agent",
+    "failing_fast",
     "forget_member",
     "group_key_prefix",
     "known_ids",
@@ -237,3 +241,37 @@ def stop_serving(timeout: float) -> None:
         current_agent().join(shutdown=True, timeout=timeout or _STOP_SERVING_S)
     except RuntimeError:  # timed out: the shutdown that follows stops the agent anyway
         pass
+
+
+@contextlib.contextmanager
+def failing_fast() -> Iterator[None]:
+    """Around a join of a dynamic group (`init_rpc` with no world size): a failure ends it at once.
+
+    torch's join holds the group's token (RpcGroupManagementToken) while it
+    asks every member for its devices; if one cannot be reached (it died
+    meanwhile, or refused the connection under load), torch answers with a
+    graceful `rpc.shutdown()`, whose leave waits for that same token, held by
+    the join itself, until the store's timeout (20 s) and then fails. Here
+    the agent stops at once instead (`graceful=False`) and the join's own
+    failure is raised: the process fails, its supervisor starts it again, and
+    a token left held by a dead process is released (`forget_member`).
+    """
+    module = vars(_backends)["api"]
+    setattr(_backends, "api", _FastLeave(module))  # noqa: B010 (a module torch does not type)
+    try:
+        yield
+    finally:
+        setattr(_backends, "api", module)  # noqa: B010
+
+
+class _FastLeave:
+    """torch's `rpc.api` as its join sees it, with a shutdown that does not wait."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
+        self._module.shutdown(graceful=False)

@@ -36,8 +36,9 @@ class Hooks(NamedTuple):
     # raise if the owner (or the sender) process died; True in a world that heals.
     check_fork: Callable[..., bool]
     # An RRef pickled for a call to torch id `to`: how to send it without torch's fork
-    # messages (a reduce tuple), or None for torch's own way; RRefs to hold go in `keep`.
-    reduce_rref: Callable[[Any, int, list[Any]], Any]
+    # messages (a reduce tuple), or None for torch's own way; RRefs to hold go in `keep`
+    # (None: a reply, which holds nothing after it is sent).
+    reduce_rref: Callable[[Any, int, list[Any] | None], Any]
     # What `then` on an asyncrpc Future returns in place of torch's child, which a
     # cancel could not complete early: `then_child(child, source)`; None: the child.
     then_child: Callable[[Any, Any], Any] | None

@@ -196,13 +196,15 @@ def patch_pickling(patches: Patches, hooks: Hooks) -> None:
     @functools.wraps(reduce)
     def checked_reduce(py_rref: Any) -> Any:
         call = _runtime.part(Sending).call
+        replying = _runtime.THREAD.replying
+        own = None
         if call is not None:  # a call of asyncrpc's: the callee is known
             own = hooks.reduce_rref(py_rref, *call)
-            if own is not None:
-                return own
+        elif replying is not None:  # the reply to a call of asyncrpc's: so is the caller
+            own = hooks.reduce_rref(py_rref, replying, None)
         else:
             hooks.check_fork(py_rref)
-        return reduce(py_rref)
+        return reduce(py_rref) if own is None else own
 
     @functools.wraps(receive)
     def checked_receive(cls: Any, fork_data: tuple[Any, ...]) -> Any:
