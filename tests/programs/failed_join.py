@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 import torch.distributed.rpc as rpc
 
@@ -30,10 +31,13 @@ def options(port: int) -> rpc.TensorPipeRpcBackendOptions:
     )
 
 
-def member(name: str, rank: int, port: int, ready: object, done: object) -> None:
+def member(name: str, rank: int, port: int, ready: Any, alive: Any) -> None:
     rpc.init_rpc(name, rank=rank, rpc_backend_options=options(port))
-    ready.set()  # type: ignore[attr-defined]
-    done.wait(120)  # type: ignore[attr-defined]
+    ready.send(True)
+    try:  # nothing is sent: this returns when the test's process has ended
+        alive.recv()
+    except EOFError:
+        pass
     os._exit(0)  # no leave: the test ends here
 
 
@@ -51,14 +55,14 @@ def main(way: str) -> None:
     faulthandler.dump_traceback_later(30, exit=True)
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
-    started, dones = [], []
+    started = []
+    # Pipes, not Events: a process killed while it waits on an Event leaves it stuck.
+    alive, _keep = ctx.Pipe(duplex=False)  # `_keep` closes with this process: "a" ends
     for rank, name in enumerate(("a", "b")):
-        # One each: notifying an Event that a killed process waits on never returns.
-        ready, done = ctx.Event(), ctx.Event()
-        dones.append(done)
-        proc = ctx.Process(target=member, args=(name, rank, port, ready, done), daemon=True)
+        ready, said = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=member, args=(name, rank, port, said, alive), daemon=True)
         proc.start()
-        assert ready.wait(60), f"{name} did not join"
+        assert ready.poll(60), f"{name} did not join"
         started.append(proc)
     os.kill(started[1].pid or 0, signal.SIGKILL)
     started[1].join()
@@ -70,7 +74,6 @@ def main(way: str) -> None:
     except Exception as exc:
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     seconds = time.monotonic() - began
-    dones[0].set()
     print("failed join: " + json.dumps({"seconds": round(seconds, 2), "error": error}), flush=True)
     os._exit(0)
 
