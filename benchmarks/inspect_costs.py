@@ -111,7 +111,7 @@ def bookkeeping(ctx: asyncrpc.Context, rounds: int, calls: int) -> None:
 
 
 def hang_check_cost() -> None:
-    world = asyncrpc._core._world.running_world()
+    world = asyncrpc._core._runtime.running_world()
     n = 1_000_000
     start = time.perf_counter()
     for _ in range(n):

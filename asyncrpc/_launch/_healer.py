@@ -102,13 +102,7 @@ class Healer:
             text = _membership.gone_message(name, old, seq, " ".join(why.split()))
             self._tell(text, alive - {name})
             self._wait_for_acks(seq, alive - {name}, still_alive)
-            # A process that died before it published its group joined a fresh
-            # interpreter's first group, if any.
-            key = f"group/{name}"
-            prefix = self.space.get(key).decode() if self.space.check([key]) else "rpc_prefix_0"
-            dead = _membership.torch_name(name, old, len(self.names))
-            _torch.forget_member(PrefixStore(prefix, self.rpc), dead, old,
-                                 functools.partial(self._is_dead, old), _ACK_S)  # fmt: skip
+            self._forget(name, old)
             fresh = len(self.names) - 1 + int(self.space.add("ids", 1))
             self.ids[name] = fresh
             self.space.set(f"spawned/{name}", str(fresh))  # the process that answers for it next
@@ -123,6 +117,25 @@ class Healer:
         """The supervisor stopped `name`'s replacement before it joined: start it again."""
         self.retry.add(name)
         self.space.set(f"spawned/{name}", _NONE_ALIVE)
+
+    def forget_stopped(self, name: str) -> None:
+        """Take `name`'s replacement, stopped (`stop`) and killed as it joined, off torch's list.
+
+        At once, not when its death is healed: another replacement started
+        meanwhile would find it listed (if its join got that far) and fail on
+        it, and each failure stopped the other's join again.
+        """
+        self._forget(name, self.ids[name])
+
+    def _forget(self, name: str, old: int) -> None:
+        """Take `name`'s process `old` (torch id) off torch's list of the group's members."""
+        # A process that died before it published its group joined a fresh
+        # interpreter's first group, if any.
+        key = f"group/{name}"
+        prefix = self.space.get(key).decode() if self.space.check([key]) else "rpc_prefix_0"
+        dead = _membership.torch_name(name, old, len(self.names))
+        _torch.forget_member(PrefixStore(prefix, self.rpc), dead, old,
+                             functools.partial(self._is_dead, old), _ACK_S)  # fmt: skip
 
     def _is_dead(self, forgotten: int, torch_name: str) -> bool:
         """Whether the process torch knows as `torch_name` died (or is `forgotten`).

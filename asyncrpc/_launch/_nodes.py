@@ -266,6 +266,7 @@ class Node:
                 proc.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(_KILLED_S)  # dead before its name is forgotten
+                self.healer.forget_stopped(name)
 
     def _failure_elsewhere(self) -> str | None:
         try:

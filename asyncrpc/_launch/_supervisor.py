@@ -551,6 +551,7 @@ def _stop_joining(
             healer.stop(healer.names[other])
             procs[other].kill()
             procs[other].join(_KILLED_S)  # dead before its name is forgotten
+            healer.forget_stopped(healer.names[other])
 
 
 def _signal_first(proc: BaseProcess) -> int:
