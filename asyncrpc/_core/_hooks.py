@@ -17,7 +17,7 @@ there as it starts, or as it adopts torch's.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _cancel, _forks, _rendezvous, _runtime, _torch
 from ._cancel import Sent
@@ -25,9 +25,6 @@ from ._errors import ObjectLostError, WorkerUnreachableError
 from ._failures import check_reply, hold, name_failure
 from ._futures import await_future, then_child
 from ._unwaited import log_unwaited_failures
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ("HOOKS", "install", "owner_of")
 
