@@ -183,6 +183,15 @@ def _not_the_default(workers: int) -> str:
     return str(max(1, len(os.sched_getaffinity(0)) // workers) + 1)
 
 
+def worker_lines(text: str) -> list[str]:
+    """The `WORKER ...` lines in `text`, also where workers sharing a pipe wrote them into one.
+
+    A print's text and its newline can be two writes: another worker's line may come between.
+    """
+    return [f"WORKER {part.splitlines()[0] if part.strip() else ''}".rstrip()
+            for part in text.split("WORKER ")[1:]]  # fmt: skip
+
+
 def _launch_and_wait(argv: list[str], env: dict[str, str], count: int) -> tuple[Any, list[str]]:
     """Start asyncrpc-launch; return it once `count` workers printed their WORKER line."""
     launcher = start_program(bin_path("asyncrpc-launch"), *argv, env=env)
@@ -191,7 +200,7 @@ def _launch_and_wait(argv: list[str], env: dict[str, str], count: int) -> tuple[
     while len(lines) < count:
         line = launcher.stdout.readline()
         assert line, f"the world ended before its workers started: {launcher.stderr.read()}"
-        lines += [line] if line.startswith("WORKER ") else []
+        lines += worker_lines(line)
     return launcher, lines
 
 
@@ -252,5 +261,5 @@ def test_a_users_omp_num_threads_is_kept(launcher: str) -> None:
     threads = _not_the_default(2)
     done = run_program(*argv, env={"OMP_NUM_THREADS": threads})
     assert done.returncode == 0, done.stderr[-3000:]
-    seen = [line.split()[3] for line in done.stdout.splitlines() if line.startswith("WORKER")]
+    seen = [line.split()[3] for line in worker_lines(done.stdout)]
     assert seen == [f"threads={threads}"] * 2, done.stdout

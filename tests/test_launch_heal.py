@@ -180,7 +180,9 @@ def _worker_pids(launcher: subprocess.Popen[str], count: int) -> set[int]:
         assert chunk, f"the launcher ended before {count} workers started: {lines}"
         *done, pending = (pending + chunk).split(b"\n")
         lines += [line.decode() for line in done]
-        pids = {int(line.split("pid=")[1]) for line in lines if line.startswith("WORKER ")}
+        # Workers share the pipe: one's line can end after another's began (two writes).
+        found = re.findall(r"WORKER \S+ attempt=\d+ pid=(\d+)", "\n".join(lines))
+        pids = {int(pid) for pid in found}
         if len(pids) >= count:
             return pids
     raise AssertionError(f"{count} workers did not start within 60 s: {lines}")

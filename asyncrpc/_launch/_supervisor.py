@@ -509,7 +509,7 @@ def _heal(
     alive = {healer.names[r] for r in running.values() if procs[r].is_alive()} - unjoined
     how = failure.summary().split(f"(rank {rank}) ", 1)[-1]
     by_name = {healer.names[r]: procs[r] for r in running.values()}
-    joining = healer.replace(rank, how, alive, lambda name: by_name[name].is_alive())
+    joining = healer.replace(rank, how, alive, lambda n: n in by_name and by_name[n].is_alive())
     if joining is None:
         if healer.count > healer.max_restarts:
             failure.add_note(_spent(healer.max_restarts, healer.started_again))

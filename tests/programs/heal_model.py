@@ -30,7 +30,7 @@ import asyncrpc
 DIR_VARIABLE = "HEAL_MODEL_DIR"  # where each process writes the ids it ran
 RESULT = "result"  # the file worker0 writes its verdict to, in that directory
 WORLD_SIZE = 4
-MAX_RESTARTS = 1000
+MAX_RESTARTS = 100_000  # the model's kills only: a long run makes thousands
 END_S = 45.0  # the world ends within this once worker0's main returned
 
 faulthandler.register(signal.SIGUSR1)  # every process: `kill -USR1` prints where it is

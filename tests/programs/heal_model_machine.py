@@ -185,6 +185,18 @@ def _kill(pid: int) -> None:
         time.sleep(0.001)
 
 
+def _where_everyone_is() -> None:
+    """SIGUSR1 to the supervisor and every worker: each prints its stacks (faulthandler)."""
+    server = os.getppid()
+    workers = [int(e) for e in os.listdir("/proc") if e.isdigit() and _parent(int(e)) == server]
+    for pid in [_parent(server) or server, *workers]:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            continue
+    time.sleep(2.0)
+
+
 def _newborn(known: set[int], timeout: float) -> int | None:
     """A live child of the forkserver (worker0's parent) that no pid in `known` is."""
     server = os.getppid()
@@ -469,6 +481,8 @@ class BaseModel(RuleBasedStateMachine):
     def _kill_newborn(self, worker: Worker, delay: float) -> None:
         """Kill the replacement's process too, `delay` s after it appears."""
         pid = _newborn(Shared.known, JOIN_S)
+        if pid is None:  # the supervisor (the forkserver's parent) and the workers say where
+            _where_everyone_is()
         assert pid is not None, f"no replacement of {worker.name} started within {JOIN_S} s"
         Shared.known.add(pid)
         time.sleep(delay)
