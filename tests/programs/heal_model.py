@@ -162,9 +162,28 @@ def _watch_the_end(directory: str) -> None:
     os._exit(1)  # the workers stop themselves when this process ends
 
 
+def _pids_last(examples: int, steps: int) -> None:
+    """Exit 2 when pids could wrap during the run: the model tells processes apart by pid.
+
+    Each replacement takes about 30 pids (its threads count), a kill step about one
+    replacement in three; Linux's default pid_max (32768) is reached after ~1000 kills.
+    """
+    try:
+        with open("/proc/sys/kernel/pid_max") as limit:
+            pid_max = int(limit.read())
+    except OSError:
+        return
+    if examples * steps * 30 > pid_max:  # a pid is reused once all the others were
+        print(f"heal model: {examples} x {steps} steps could use every pid below pid_max "
+              f"({pid_max}), and the model tells processes apart by pid; raise "
+              f"/proc/sys/kernel/pid_max, or run fewer steps", flush=True)  # fmt: skip
+        sys.exit(2)
+
+
 if __name__ == "__main__":
     examples = int(sys.argv[1]) if len(sys.argv) > 1 else 12
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 12
+    _pids_last(examples, steps)
     with tempfile.TemporaryDirectory(prefix="heal-model-") as directory:
         os.environ[DIR_VARIABLE] = directory  # the workers inherit it, replacements too
         threading.Thread(target=_watch_the_end, args=(directory,), daemon=True).start()
