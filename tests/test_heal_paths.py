@@ -106,9 +106,9 @@ def test_rrefs_of_a_world_that_heals_are_let_go_on_one_thread_and_freed_at_their
 def test_a_worker_whose_listener_torch_closed_is_replaced_and_later_deaths_still_heal() -> None:
     # TensorPipe closes a listener for good when a connection ends before its first
     # message; without a restart no replacement could join that worker again. worker3
-    # dies at the same moment: its replacement's join, refused by worker2 meanwhile,
-    # must not be started again at once (each failed join is an attempt, counted).
+    # dies at the same moment: its replacement's join, refused by worker2 until worker2
+    # is replaced, is started again (each try an attempt), then joins.
     seen = _run("listener", said="can no longer accept connections")
-    assert seen["attempts"] == {"worker2": 1, "worker3": 2}, seen
+    assert seen["attempts"]["worker2"] == 1 and seen["attempts"]["worker3"] >= 2, seen
     assert seen["survivor_kept"], seen
     assert all(failure["named"] for failure in seen["failures"]), seen["failures"]

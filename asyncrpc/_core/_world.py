@@ -24,7 +24,6 @@ import gc
 import math
 import os
 import threading
-import time
 import warnings
 from collections.abc import Callable, Mapping
 
@@ -64,8 +63,6 @@ __all__ = [
     "start",
     "target",
 ]
-
-_FAILED_JOIN_PAUSE_S = 1.0  # a replacement whose join failed waits this long before it ends
 
 
 @dataclasses.dataclass
@@ -401,24 +398,16 @@ def _start_agent(world: World, master_addr: str, joining: Joining | None) -> Non
         settings.channels,
     )
     joins = _torch.failing_fast() if joining is not None else contextlib.nullcontext()
-    try:
-        with warnings.catch_warnings(), joins:
-            # torch's agent set-up uses a Gloo backend internally and warns about it.
-            warnings.filterwarnings("ignore", "You are using a Backend", UserWarning)
-            rpc.init_rpc(  # type: ignore[no-untyped-call]
-                world.torch_name,
-                rank=world.key_rank,
-                # A world that heals is one of torch's dynamic groups: members join and leave.
-                world_size=None if joining is not None else ctx.world_size,
-                rpc_backend_options=options,
-            )
-    except Exception:
-        if joining is not None and joining.replacement:
-            # Refused by a member whose listener torch closed (_torch._listener), say: that
-            # member ends within a fraction of a second and is replaced. Started again at
-            # once, this replacement would spend max_restarts on joins that fail meanwhile.
-            time.sleep(_FAILED_JOIN_PAUSE_S)
-        raise
+    with warnings.catch_warnings(), joins:
+        # torch's agent set-up uses a Gloo backend internally and warns about it.
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        rpc.init_rpc(  # type: ignore[no-untyped-call]
+            world.torch_name,
+            rank=world.key_rank,
+            # A world that heals is one of torch's dynamic groups: members join and leave.
+            world_size=None if joining is not None else ctx.world_size,
+            rpc_backend_options=options,
+        )
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
