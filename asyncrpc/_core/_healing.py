@@ -37,7 +37,6 @@ def join(world: World, joining: Joining) -> None:
     """After torch's join: publish this member, meet the others (or welcome them)."""
     ctx, settings = world.context, world.settings
     assert world.store is not None and settings is not None
-    _torch.watch_listener(lambda: _listener_closed(world))  # from the listener's first moment
     space = _membership.heal_space(world.store, world.tag)
     _membership.publish(space, ctx, joining.torch_id, _torch.group_key_prefix())
     if not joining.replacement:
@@ -53,6 +52,8 @@ def join(world: World, joining: Joining) -> None:
         _welcome_all(world, settings.rpc_timeout)
     else:  # no member's main calls one that does not know the members yet
         _membership.wait_for_all(space, ctx.names, settings.init_timeout, key="ready")
+    # Once joined (a listener closed before is seen closed at once).
+    _torch.watch_listener(lambda: _listener_closed(world))
 
 
 def _listener_closed(world: World) -> None:
