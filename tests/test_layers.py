@@ -86,7 +86,6 @@ INSIDE: dict[str, list[str]] = {
         "_modules",
         "_launcher",
         "_agent",
-        "_listener",
         "_patches",
         "_notes",
         "_unread",
