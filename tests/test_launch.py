@@ -188,8 +188,7 @@ def worker_lines(text: str) -> list[str]:
 
     A print's text and its newline can be two writes: another worker's line may come between.
     """
-    return [f"WORKER {part.splitlines()[0] if part.strip() else ''}".rstrip()
-            for part in text.split("WORKER ")[1:]]  # fmt: skip
+    return [f"WORKER {part.partition(chr(10))[0]}".rstrip() for part in text.split("WORKER ")[1:]]
 
 
 def _launch_and_wait(argv: list[str], env: dict[str, str], count: int) -> tuple[Any, list[str]]:

@@ -19,6 +19,7 @@ import time
 
 import pytest
 from test_exits import assert_gone, descendants, kill_tree
+from test_launch import worker_lines
 
 from asyncrpc._launch import _cli
 
@@ -180,9 +181,7 @@ def _worker_pids(launcher: subprocess.Popen[str], count: int) -> set[int]:
         assert chunk, f"the launcher ended before {count} workers started: {lines}"
         *done, pending = (pending + chunk).split(b"\n")
         lines += [line.decode() for line in done]
-        # Workers share the pipe: one's line can end after another's began (two writes).
-        found = re.findall(r"WORKER \S+ attempt=\d+ pid=(\d+)", "\n".join(lines))
-        pids = {int(pid) for pid in found}
+        pids = {int(line.split("pid=")[1]) for line in worker_lines("\n".join(lines))}
         if len(pids) >= count:
             return pids
     raise AssertionError(f"{count} workers did not start within 60 s: {lines}")

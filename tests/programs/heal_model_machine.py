@@ -185,11 +185,15 @@ def _kill(pid: int) -> None:
         time.sleep(0.001)
 
 
+def _children(parent: int) -> list[int]:
+    """The processes whose parent is `parent` now."""
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and _parent(int(e)) == parent]
+
+
 def _where_everyone_is() -> None:
     """SIGUSR1 to the supervisor and every worker: each prints its stacks (faulthandler)."""
     server = os.getppid()
-    workers = [int(e) for e in os.listdir("/proc") if e.isdigit() and _parent(int(e)) == server]
-    for pid in [_parent(server) or server, *workers]:
+    for pid in [_parent(server) or server, *_children(server)]:
         try:
             os.kill(pid, signal.SIGUSR1)
         except OSError:
@@ -202,10 +206,9 @@ def _newborn(known: set[int], timeout: float) -> int | None:
     server = os.getppid()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) not in known and _parent(int(entry)) == server:
-                if _state(int(entry)) not in (None, "Z", "X"):
-                    return int(entry)
+        for pid in _children(server):
+            if pid not in known and _state(pid) not in (None, "Z", "X"):
+                return pid
         time.sleep(0.001)
     return None
 
