@@ -23,9 +23,10 @@ from conftest import PROGRAMS, run_program
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(240)]
 
 
-def _run(scenario: str) -> dict[str, Any]:
+def _run(scenario: str, said: str = "") -> dict[str, Any]:
     result = run_program("python", str(PROGRAMS / "heal_paths.py"), scenario, timeout=200)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    assert said in result.stderr, result.stderr[-5000:]
     found = re.search(r"^heal paths: (\{.*\})$", result.stdout, re.MULTILINE)
     assert found is not None, result.stdout[-3000:]
     seen: dict[str, Any] = json.loads(found.group(1))
@@ -100,3 +101,14 @@ def test_rrefs_of_a_world_that_heals_are_let_go_on_one_thread_and_freed_at_their
     assert seen["held_while_used"] and seen["threads"] == ["asyncrpc-rref-release"], seen
     assert seen["freed"] and seen["kept"] == -1 and seen["kept_freed"], seen  # owners free them
     assert seen["left_held_here"] == 1 and seen["left_held_on_worker2"] == 0, seen  # `kept` only
+
+
+def test_a_worker_whose_listener_torch_closed_is_replaced_and_later_deaths_still_heal() -> None:
+    # TensorPipe closes a listener for good when a connection ends before its first
+    # message; without a restart no replacement could join that worker again. worker3
+    # dies at the same moment: its replacement's join, refused by worker2 until worker2
+    # is replaced, is started again (each try an attempt), then joins.
+    seen = _run("listener", said="can no longer accept connections")
+    assert seen["attempts"]["worker2"] == 1 and seen["attempts"]["worker3"] >= 2, seen
+    assert seen["survivor_kept"], seen
+    assert all(failure["named"] for failure in seen["failures"]), seen["failures"]

@@ -86,6 +86,7 @@ INSIDE: dict[str, list[str]] = {
         "_modules",
         "_launcher",
         "_agent",
+        "_listener",
         "_patches",
         "_notes",
         "_unread",

@@ -567,6 +567,22 @@ def test_the_agent_knows_every_member_and_a_pipe_to_nobody_is_no_error(
     _torch.close_pipe("no-such-worker")  # not known here: nothing to close
 
 
+def listener_found() -> bool:
+    from asyncrpc._core._torch import _listener
+
+    port = _listener.port()
+    return port is not None and _listener.find(port) is not None
+
+
+def test_the_agents_listening_socket_is_found_from_torchs_published_address(
+    world: asyncrpc.Context,
+) -> None:
+    # Where torch publishes it ("addrs/<name>" in the agent's store, "uv://host:port"):
+    # a world that heals watches that socket (tests/test_heal_paths.py closes one).
+    assert listener_found()
+    assert asyncrpc.rpc_sync("worker1", listener_found) is True
+
+
 def test_rref_pickling_is_patched_while_installed(world: asyncrpc.Context) -> None:
     pickler = torch.distributed.rpc.internal._internal_rpc_pickler
     receiver = vars(torch.distributed.rpc.internal._InternalRPCPickler)["_py_rref_receiver"]

@@ -5,7 +5,8 @@ records; this module holds what a member *does* with them, at the three
 moments a world that heals differs from one that does not::
 
     start   join(world)       publish this member, meet the others (or, a
-                              replacement: welcome every survivor by RPC)
+                              replacement: welcome every survivor by RPC);
+                              watch this worker's listener (`_torch._listener`)
     a death news(text)        the supervisor's "member gone ..." on the side
                               channel: forget the process, close its pipe, ack
             welcome(...)      (RPC, on each survivor) the replacement is up
@@ -17,6 +18,8 @@ or the side channel, read from the runtime (`_runtime`).
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING
 
 import torch.distributed.rpc as rpc
@@ -44,11 +47,36 @@ def join(world: World, joining: Joining) -> None:
     world.members = members
     world.stack.callback(members.stop)
     world.members_known.set()
+    # Before this member counts as ready, so no main sees the world without its thread;
+    # a listener closed before is seen closed at once.
+    _torch.watch_listener(lambda: _listener_closed(world))
     _membership.mark_ready(space, ctx.name)
     if joining.replacement:
         _welcome_all(world, settings.rpc_timeout)
     else:  # no member's main calls one that does not know the members yet
         _membership.wait_for_all(space, ctx.names, settings.init_timeout, key="ready")
+
+
+def _listener_closed(world: World) -> None:
+    """torch's listener here stopped accepting: restart, or no replacement could join again.
+
+    A worker no process can connect to any more is a failed worker in a world
+    that heals: it ends, and the supervisor replaces it like any other.
+    """
+    if _runtime.running_world() is not world:
+        return
+    print(
+        f"asyncrpc: worker {world.context.name!r} (pid {os.getpid()}) can no longer accept "
+        f"connections: torch's TensorPipe closed its listener after an incoming connection "
+        f"ended before its first message (a process killed while it connected, or something "
+        f"else that connected to its port and closed). Connections already open still work, "
+        f"but no replacement could join the world any more; this worker ends so that the "
+        f"world replaces it",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(1)  # the main thread may be blocked in torch (a call, a wait)
 
 
 def _welcome_all(world: World, timeout: float) -> None:
@@ -120,6 +148,9 @@ def leave(world: World, graceful: bool, timeout: float) -> None:
     space = _membership.heal_space(world.store, world.tag)
     if graceful:
         graceful = _membership.meet_to_end(space, world.context, timeout)
+    # Every main is done (or this one leaves at once): no replacement joins from
+    # here, and the agent closes its listener as it stops.
+    _torch.unwatch_listener()
     # After a heal, a delete sent to a dead owner fails with a C++ trace and an
     # owner then waits for deletes that never come; and torch's join of a dynamic
     # group can wait forever for a message it sent to a process that died. So only

@@ -60,6 +60,8 @@ class Healer:
         self.ids = {name: rank for rank, name in enumerate(names)}
         self.count = 0  # the world's replacements so far, this supervisor's last included
         self.retry: set[str] = set()  # replacements stopped before they joined: start again
+        # During `replace`: whether a name's process still runs, as the supervisor saw it.
+        self._alive: Callable[[str], bool] | None = None
 
     def formed(self) -> bool:
         """True once every member has known the others (a `main` may run; see `_membership`).
@@ -102,6 +104,7 @@ class Healer:
             text = _membership.gone_message(name, old, seq, " ".join(why.split()))
             self._tell(text, alive - {name})
             self._wait_for_acks(seq, alive - {name}, still_alive)
+            self._alive = still_alive
             self._forget(name, old)
             fresh = len(self.names) - 1 + int(self.space.add("ids", 1))
             self.ids[name] = fresh
@@ -109,6 +112,8 @@ class Healer:
         except BaseException:
             _membership.end_heal(self.space)
             raise
+        finally:
+            self._alive = None
         if not retry:
             self.attempts[name] += 1
         return Joining(fresh, self.tag, replacement=True)
@@ -143,7 +148,9 @@ class Healer:
         Each name has one live process at most: the one spawned last for it
         (`spawned/<name>` in the store, shared by the launchers of every node;
         its rank before any heal; none while it is being replaced or was
-        stopped). Any other process of that name is dead.
+        stopped). Any other process of that name is dead, and so is that one
+        once the supervisor saw it end (`replace`'s `still_alive`): a joiner
+        that failed holds the token it took for good.
         """
         name, _, tail = torch_name.partition(":")
         if name not in self.names:
@@ -151,7 +158,9 @@ class Healer:
         torch_id = int(tail) if tail.isdigit() else self.names.index(name)
         key = f"spawned/{name}"
         latest = int(self.space.get(key)) if self.space.check([key]) else self.names.index(name)
-        return torch_id == forgotten or torch_id != latest
+        if torch_id == forgotten or torch_id != latest:
+            return True
+        return self._alive is not None and not self._alive(name)
 
     def joining(self) -> set[str]:
         """The names whose replacement was started but has not joined yet (published its id).

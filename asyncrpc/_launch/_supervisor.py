@@ -509,7 +509,7 @@ def _heal(
     alive = {healer.names[r] for r in running.values() if procs[r].is_alive()} - unjoined
     how = failure.summary().split(f"(rank {rank}) ", 1)[-1]
     by_name = {healer.names[r]: procs[r] for r in running.values()}
-    joining = healer.replace(rank, how, alive, lambda name: by_name[name].is_alive())
+    joining = healer.replace(rank, how, alive, lambda n: n in by_name and by_name[n].is_alive())
     if joining is None:
         if healer.count > healer.max_restarts:
             failure.add_note(_spent(healer.max_restarts, healer.started_again))
@@ -517,20 +517,14 @@ def _heal(
     try:
         if failure.remote_traceback:
             print(failure.remote_traceback.rstrip(), file=sys.stderr, flush=True)
-        if retry:
-            print(
-                f"asyncrpc: the replacement of worker {failure.name!r} (rank {rank}) was "
-                f"stopped before it joined, as another worker died meanwhile; starting it again",
-                file=sys.stderr,
-                flush=True,
-            )
-        else:
-            print(
-                f"asyncrpc: {failure.summary()}; replacing it in place "
-                f"(restart {healer.count} of {healer.max_restarts})",
-                file=sys.stderr,
-                flush=True,
-            )
+        said = (
+            f"the replacement of worker {failure.name!r} (rank {rank}) was stopped before it "
+            f"joined, as another worker died meanwhile; starting it again"
+            if retry
+            else f"{failure.summary()}; replacing it in place "
+            f"(restart {healer.count} of {healer.max_restarts})"
+        )
+        print(f"asyncrpc: {said}", file=sys.stderr, flush=True)
         name = healer.names[rank]
         procs[rank], errors[rank] = healing.spawn(rank, healer.attempts[name], joining)
     finally:
@@ -542,16 +536,18 @@ def _heal(
 def _stop_joining(
     healer: _healer.Healer, joining: set[str], procs: list[BaseProcess], running: dict[object, int]
 ) -> None:
-    """Kill the workers still `joining`: they may wait for the dead one forever.
+    """Kill the workers still `joining` (they may wait for the dead one forever), then forget them.
 
-    Their deaths come back through `running`; they start again (`Healer.joining`).
+    All killed first: one still joining may hold torch's group token, which the
+    forgetting of another would wait for. Their deaths come back through `running`.
     """
-    for other in running.values():
-        if healer.names[other] in joining:
-            healer.stop(healer.names[other])
-            procs[other].kill()
-            procs[other].join(_KILLED_S)  # dead before its name is forgotten
-            healer.forget_stopped(healer.names[other])
+    stopped = [other for other in running.values() if healer.names[other] in joining]
+    for other in stopped:
+        healer.stop(healer.names[other])
+        procs[other].kill()
+        procs[other].join(_KILLED_S)  # dead before its name is forgotten
+    for other in stopped:
+        healer.forget_stopped(healer.names[other])
 
 
 def _signal_first(proc: BaseProcess) -> int:

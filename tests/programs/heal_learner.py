@@ -116,12 +116,17 @@ def _kill(kills: int, steps: int, done: threading.Event, killed: list[float]) ->
         while max(LEARNED, default=-1) < (k + 1) * every:
             if done.wait(0.005):
                 return
+        name = ACTORS[k % len(ACTORS)]
         try:
-            victim = heal_load._pid_of(ACTORS[k % len(ACTORS)])  # waits while it is replaced
+            victim = heal_load._pid_of(name)  # waits while it is replaced
+            os.kill(victim, signal.SIGKILL)
+            killed.append(time.monotonic())
+            # One death at a time: with every actor away at once, the loop would
+            # skip its remaining steps in a blink (that is what the docs' loop does).
+            while heal_load._pid_of(name) == victim:
+                time.sleep(0.005)
         except asyncrpc.WorkerUnreachableError:
             return
-        os.kill(victim, signal.SIGKILL)
-        killed.append(time.monotonic())
 
 
 if __name__ == "__main__":

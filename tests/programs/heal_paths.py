@@ -10,6 +10,9 @@ SCENARIO:
   returned    an RRef or handle returned by a call as its owner dies: named, the caller lives
   two-deaths  two workers killed together: every call to either fails named until its
               replacement joined, the calls each replacement makes to the other too
+  listener    something connects to worker2's port and closes (torch then closes its
+              listener for good) as worker3 dies: both are replaced once, and a later
+              death still heals
 
 worker0 drives and prints one line, `heal paths: {json}`.
 """
@@ -20,6 +23,7 @@ import functools
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -326,6 +330,29 @@ def consumer_dies() -> dict[str, Any]:
     return {"first": first, "after": seen}
 
 
+# ---- a listener torch closed ----------------------------------------------------------------
+
+
+def closed_listener() -> dict[str, Any]:
+    """Scan worker2's port (connect, close) as worker3 dies; then kill worker3 again."""
+    from asyncrpc._core import _torch  # where torch publishes a worker's address
+
+    survivor = asyncrpc.rpc_sync("worker1", pid)
+    address = _torch.agent_store().get("addrs/worker2").decode()  # uv://host:port
+    victim = asyncrpc.rpc_sync("worker3", pid)
+    socket.create_connection(("127.0.0.1", int(address.rsplit(":", 1)[1]))).close()
+    os.kill(victim, signal.SIGKILL)  # its replacement's join meets worker2's closed listener
+    failures = until_back("worker2", 1) + until_back("worker3", 1)
+    os.kill(asyncrpc.rpc_sync("worker3", pid), signal.SIGKILL)  # a later death still heals
+    failures += until_back("worker3", 2)
+    failures += asyncrpc.rpc_sync("worker3", calls_to, args=("worker2",), timeout=60)
+    return {
+        "attempts": {name: asyncrpc.rpc_sync(name, attempt) for name in ("worker2", "worker3")},
+        "survivor_kept": asyncrpc.rpc_sync("worker1", pid) == survivor,
+        "failures": failures,
+    }
+
+
 def main(ctx: asyncrpc.Context, scenario: str) -> None:
     if ctx.rank != 0:
         return
@@ -337,6 +364,7 @@ def main(ctx: asyncrpc.Context, scenario: str) -> None:
         "nested": nested,
         "consumer-dies": consumer_dies,
         "returned": returned,
+        "listener": closed_listener,
     }[scenario]
     print("heal paths: " + json.dumps(run()), flush=True)
 

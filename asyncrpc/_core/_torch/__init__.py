@@ -29,6 +29,7 @@ Its modules, lowest first (each imports only those before it, `_errors` and
     _modules     nn.Module's and tensors' private tables, hooks and counters (`_fanout`)
     _launcher    torchrun's rendezvous registry, static rendezvous and elastic agent
     _agent       the RPC agent: its workers, store, group members, shutdown steps
+    _listener    whether this process's TensorPipe listener still accepts (`watch_listener`)
     _patches     `Hooks`, the `Patches` part (each patch, put back), `install_await`
     _notes       tags, guards, combined Futures, cancellers; `cancel`
     _unread      failures nobody read (`watch_unread`)
@@ -66,6 +67,8 @@ from ._agent import (
 )
 from ._install import install, uninstall
 from ._launcher import bound_static_rendezvous, register_rendezvous, watch_agent_failures
+from ._listener import unwatch as unwatch_listener
+from ._listener import watch as watch_listener
 from ._modules import (
     any_tensor_hooks,
     call_hook_tables,
@@ -230,7 +233,9 @@ __all__ = (
     "tensor_tables",
     "tensor_version",
     "uninstall",
+    "unwatch_listener",
     "watch_agent_failures",
+    "watch_listener",
     "watch_unread",
     "worker_info",
     "worker_infos",
