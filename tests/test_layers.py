@@ -97,7 +97,16 @@ INSIDE: dict[str, list[str]] = {
         "_install",
     ],
     "_trace": ["_timeline", "_render", "_trace"],
-    "_launch": ["_parent", "_forkserver", "_launched", "_healer", "_supervisor", "_nodes", "_cli"],
+    "_launch": [
+        "_parent",
+        "_child",
+        "_forkserver",
+        "_launched",
+        "_healer",
+        "_supervisor",
+        "_nodes",
+        "_cli",
+    ],
     "_inspect": ["_worlds", "_dump", "_top"],
 }
 

@@ -22,25 +22,20 @@ silent peer ends the world on every node, or restarts it (the launcher's
 
 from __future__ import annotations
 
-import io
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
-import signal
 import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, NamedTuple
 
-from .._core import _context, _rendezvous, _world
+from .._core import _context, _rendezvous
 from .._core._errors import WorkerFailedError
 from .._core._membership import Joining
-from . import _forkserver, _healer, _parent
+from . import _child, _forkserver, _healer
 from ._launched import launched, run_launched
 
 __all__ = ("run",)
@@ -237,13 +232,13 @@ def _run_embedded(
     host = "127.0.0.1"
     # Pickled here, loaded in the worker's own try: a worker that cannot load them
     # sends the reason back instead of dying in multiprocessing's start-up.
-    payload = _pickled_main(main, args)
+    payload = _child.pickled_main(main, args)
     store = _rendezvous.host_store(host, 0, settings.init_timeout)
     names = _context.names_for(world_size, roles)
     spawner = _forkserver.spawner(settings.start_method)
     procs: list[BaseProcess] = []
     errors: list[multiprocessing.connection.Connection] = []
-    outputs = _caller_output() if settings.start_method == "forkserver" else (None, None)
+    outputs = _child.caller_output() if settings.start_method == "forkserver" else (None, None)
     # Each worker reads `alive` until this process ends, however it ends (SIGKILL
     # too): then the read sees the end of the pipe, and the worker stops itself.
     alive, held = spawner.Pipe(duplex=False)
@@ -254,7 +249,9 @@ def _run_embedded(
         reader, writer = spawner.Pipe(duplex=False)
         spec = (rank, world_size, names[rank], host, store.port, settings, roles, attempt,
                 environ, outputs, alive, joining)  # fmt: skip
-        proc = spawner.Process(target=_worker, args=(payload, spec, writer), name=names[rank])
+        proc = spawner.Process(
+            target=_child.worker, args=(payload, spec, writer), name=names[rank]
+        )
         # Listed before it starts: a Ctrl-C inside start() (the worker may already
         # run) must still stop it, or multiprocessing's exit would wait for it.
         procs.append(proc)
@@ -268,7 +265,7 @@ def _run_embedded(
             joining = Joining(rank, "0", replacement=False) if healer is not None else None
             errors.append(spawn(rank, attempt, joining)[1])
         if healer is None:
-            _close_outputs(outputs)  # every worker has its own copy by now
+            _child.close_outputs(outputs)  # every worker has its own copy by now
             alive.close()
             return _supervise(procs, errors, names, grace)
         current = procs[:]  # by rank; `procs` keeps every process started, to stop them
@@ -277,173 +274,10 @@ def _run_embedded(
         _stop(procs)
         raise
     finally:
-        _close_outputs(outputs)
+        _child.close_outputs(outputs)
         if not alive.closed:
             alive.close()
         held.close()
-
-
-def _caller_output() -> tuple[Connection | None, ...]:
-    """The caller's stdout and stderr, as objects multiprocessing hands to a worker.
-
-    A worker forked from the warm interpreter has that interpreter's output;
-    given these, it writes where the caller writes now, sharing the file's
-    offset as a spawned worker would (a Connection is passed as its file).
-    """
-    outputs: list[Connection | None] = []
-    for fd in (1, 2):
-        try:
-            outputs.append(Connection(os.dup(fd), readable=False))
-        except OSError:  # closed: the worker keeps what it has
-            outputs.append(None)
-    return tuple(outputs)
-
-
-def _close_outputs(outputs: tuple[Connection | None, ...]) -> None:
-    for output in outputs:
-        if output is not None and not output.closed:
-            output.close()
-
-
-def _write_to(outputs: tuple[Connection | None, ...]) -> None:
-    for fd, stream, output in zip((1, 2), (sys.stdout, sys.stderr), outputs, strict=True):
-        if output is not None:
-            stream.flush()
-            os.dup2(output.fileno(), fd)
-            output.close()
-
-
-def _pickled_main(main: Callable[..., object], args: tuple[Any, ...]) -> bytes:
-    buffer = io.BytesIO()
-    pickler = _MainFinder(buffer)
-    try:
-        pickler.dump((main, args))
-    except Exception as exc:
-        raise TypeError(
-            f"asyncrpc.run sends main and args to each worker process, but they cannot be "
-            f"pickled ({type(exc).__name__}: {exc}); pass module-level functions and "
-            f"classes, and plain data or tensors as args"
-        ) from exc
-    script = getattr(sys.modules.get("__main__"), "__file__", None)
-    if pickler.found and not (script and os.path.isfile(script)):  # python -c, "<stdin>"
-        raise TypeError(
-            f"asyncrpc.run starts worker processes that import main and args by name, but "
-            f"{', '.join(sorted(pickler.found))} is defined in a program that has no file "
-            f"(python -c, a script read from stdin, a notebook or the interactive prompt), "
-            f"which they cannot import; "
-            f"put main (and what args holds) in a .py file and run that file, or import "
-            f"them from a module (in a notebook: %%writefile my_world.py, then "
-            f"`from my_world import main`)"
-        )
-    return buffer.getvalue()
-
-
-class _MainFinder(pickle.Pickler):
-    """Pickles as usual, noting every function, class or instance's class of `__main__`."""
-
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file)
-        self.found: set[str] = set()
-
-    def reducer_override(self, obj: Any) -> Any:
-        # Functions and classes by their own name; any other object by its class's.
-        named = obj if hasattr(obj, "__qualname__") else type(obj)
-        if getattr(named, "__module__", None) == "__main__":
-            self.found.add(str(named.__qualname__))
-        return NotImplemented
-
-
-def _load_main(payload: bytes) -> tuple[Callable[..., object], tuple[Any, ...]]:
-    try:
-        main, args = pickle.loads(payload)
-    except Exception as exc:
-        raise RuntimeError(
-            f"this worker could not load main and args from the script "
-            f"({type(exc).__name__}: {exc}); a worker imports the script as a module, so "
-            f"define main and everything in args at its top level, not under "
-            f'`if __name__ == "__main__":`'
-        ) from exc
-    return main, args
-
-
-def _worker(
-    payload: bytes, spec: tuple[Any, ...], errors: multiprocessing.connection.Connection
-) -> None:
-    parent = os.getppid()  # the forkserver, or this process's spawner
-    (
-        rank,
-        world_size,
-        name,
-        host,
-        port,
-        settings,
-        roles,
-        attempt,
-        environ,
-        outputs,
-        alive,
-        joining,
-    ) = spec
-    _parent.die_with_parent(parent)  # the kernel's signal: needs no GIL
-    _watch_parent(alive)
-    # Forked from the warm interpreter, a worker has that interpreter's environment and
-    # output: take the caller's as they are now, as a spawned worker would.
-    os.environ.clear()
-    os.environ.update(environ)
-    _write_to(outputs)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR=host,
-        MASTER_PORT=str(port),
-    )
-    try:
-        main, args = _load_main(payload)
-        ctx = _world.start(
-            rank,
-            world_size,
-            name,
-            host,
-            port,
-            settings,
-            roles=roles,
-            hosts_store=False,
-            attempt=attempt,
-            joining=joining,
-        )
-        try:
-            main(ctx, *args)
-        except BaseException:
-            _world.shutdown(graceful=False)
-            raise
-        _world.shutdown()
-    except BaseException:
-        errors.send(traceback.format_exc())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # A failed agent can leave threads that block a normal interpreter exit.
-        os._exit(1)
-
-
-def _watch_parent(alive: Connection) -> None:
-    """Stop this worker as the supervisor would (SIGTERM, then SIGKILL) once it has ended.
-
-    A worker's parent is the forkserver, which outlives a killed supervisor
-    while its workers live; the pipe `alive` ends with the supervisor itself.
-    """
-
-    def watch() -> None:
-        try:
-            alive.recv_bytes()  # nothing is ever sent: this returns when the writer is gone
-        except (EOFError, OSError):
-            pass
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(_KILL_AFTER_S)  # a program's own SIGTERM handler had its chance
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="asyncrpc-parent-watch", daemon=True).start()
 
 
 _WAKE_S = 0.25  # how often the supervisor's wait returns, to take a Ctrl-C
