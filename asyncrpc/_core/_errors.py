@@ -183,6 +183,12 @@ class WorkerFailedError(AsyncRPCError):
         how = describe_exit(self.exitcode)
         if self.exitcode is not None and self.exitcode < 0:
             return f"{who} {how}"
+        if self.exitcode == LISTENER_CLOSED_EXIT:
+            return (
+                f"{who} {how} (something connected to its port and closed before torch's "
+                f"first message: a port scanner, a TCP health check, a process killed as it "
+                f"connected); keep those off the workers' ports"
+            )
         if self.exitcode == 0:  # no error: it left without returning from main
             return (
                 f"{who} {how} while its world still ran (a normal exit, such as os._exit(0), "
@@ -194,8 +200,18 @@ class WorkerFailedError(AsyncRPCError):
         return (type(self), (self.name, self.rank, self.exitcode, self.remote_traceback))
 
 
+# The exit code of a worker of a world that heals that ends because torch closed
+# its listener (see `_healing`): the world replaces it.
+LISTENER_CLOSED_EXIT = 76
+
+
 def describe_exit(exitcode: int | None) -> str:
     """How a process ended, from its exit code (negative: the signal that killed it)."""
+    if exitcode == LISTENER_CLOSED_EXIT:
+        return (
+            f"ended (exit code {exitcode}) as torch had closed its listener: "
+            f"no process could connect to it any more"
+        )
     if exitcode is None or exitcode >= 0:
         return f"exited with code {exitcode}"
     try:

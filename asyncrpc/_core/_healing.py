@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch.distributed.rpc as rpc
 
 from . import _membership, _runtime, _torch
+from ._errors import LISTENER_CLOSED_EXIT
 from ._membership import Joining
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ def _listener_closed(world: World) -> None:
         flush=True,
     )
     sys.stdout.flush()
-    os._exit(1)  # the main thread may be blocked in torch (a call, a wait)
+    os._exit(LISTENER_CLOSED_EXIT)  # the main thread may be blocked in torch (a call, a wait)
 
 
 def _welcome_all(world: World, timeout: float) -> None:

@@ -33,7 +33,7 @@ __all__ = ("Healer",)
 # How long survivors get to forget a dead member. Generous: a replacement that joins
 # before a survivor has forgotten the dead process finds torch's agent there still
 # listing the name, and on a loaded machine a survivor's watcher may wait seconds
-# for a core and the GIL. One that dies meanwhile is not waited for (`still_alive`).
+# for a core and the GIL. One that dies meanwhile is not waited for (`Healer.running`).
 _ACK_S = 30.0
 _POLL_S = 0.005
 _NONE_ALIVE = "-1"  # spawned/<name> while no process of it lives
@@ -60,8 +60,9 @@ class Healer:
         self.ids = {name: rank for rank, name in enumerate(names)}
         self.count = 0  # the world's replacements so far, this supervisor's last included
         self.retry: set[str] = set()  # replacements stopped before they joined: start again
-        # During `replace`: whether a name's process still runs, as the supervisor saw it.
-        self._alive: Callable[[str], bool] | None = None
+        # Whether the process started last for a name still runs, as the supervisor or
+        # launcher that started it sees it (True for names another node runs).
+        self.alive: Callable[[str], bool] = lambda name: True
 
     def formed(self) -> bool:
         """True once every member has known the others (a `main` may run; see `_membership`).
@@ -75,18 +76,13 @@ class Healer:
         """True once every member's `main` is done and the world ends (no more heals)."""
         return bool(_membership.read_state(self.space)["ending"])
 
-    def replace(
-        self,
-        rank: int,
-        why: str,
-        alive: set[str],
-        still_alive: Callable[[str], bool] | None = None,
-    ) -> Joining | None:
+    def replace(self, rank: int, why: str, alive: set[str]) -> Joining | None:
         """Forget worker `rank`'s dead process everywhere; how its replacement joins.
 
         None when the world may not heal: `max_restarts` replacements were
         made, or every `main` is done and the world is ending. `alive`: the
-        names whose processes still run (their acks are waited for).
+        names whose processes still run (their acks are waited for, while
+        they run: `running`).
         """
         name = self.names[rank]
         retry = name in self.retry  # not a death of its own: neither counted nor an attempt
@@ -103,8 +99,7 @@ class Healer:
             seq = int(self.space.add("seq", 1))
             text = _membership.gone_message(name, old, seq, " ".join(why.split()))
             self._tell(text, alive - {name})
-            self._wait_for_acks(seq, alive - {name}, still_alive)
-            self._alive = still_alive
+            self._wait_for_acks(seq, alive - {name})
             self._forget(name, old)
             fresh = len(self.names) - 1 + int(self.space.add("ids", 1))
             self.ids[name] = fresh
@@ -112,8 +107,6 @@ class Healer:
         except BaseException:
             _membership.end_heal(self.space)
             raise
-        finally:
-            self._alive = None
         if not retry:
             self.attempts[name] += 1
         return Joining(fresh, self.tag, replacement=True)
@@ -149,8 +142,8 @@ class Healer:
         (`spawned/<name>` in the store, shared by the launchers of every node;
         its rank before any heal; none while it is being replaced or was
         stopped). Any other process of that name is dead, and so is that one
-        once the supervisor saw it end (`replace`'s `still_alive`): a joiner
-        that failed holds the token it took for good.
+        once it ended (`running`): a joiner that failed holds the token it
+        took for good, also before the supervisor has handled its death.
         """
         name, _, tail = torch_name.partition(":")
         if name not in self.names:
@@ -160,7 +153,18 @@ class Healer:
         latest = int(self.space.get(key)) if self.space.check([key]) else self.names.index(name)
         if torch_id == forgotten or torch_id != latest:
             return True
-        return self._alive is not None and not self._alive(name)
+        return not self.running(name)
+
+    def running(self, name: str) -> bool:
+        """Whether the process started last for `name` may still run.
+
+        False once it ended (`alive`, where this supervisor started it), or
+        once a supervisor began to replace or stopped it (`spawned/<name>`).
+        """
+        if not self.alive(name):
+            return False
+        key = f"spawned/{name}"
+        return not (self.space.check([key]) and self.space.get(key).decode() == _NONE_ALIVE)
 
     def joining(self) -> set[str]:
         """The names whose replacement was started but has not joined yet (published its id).
@@ -190,14 +194,12 @@ class Healer:
             if self.space.check([key]):  # one that has not joined yet has nothing to forget
                 _cancel.send_request(self.side, int(self.space.get(key).decode()), text)
 
-    def _wait_for_acks(
-        self, seq: int, names: set[str], still_alive: Callable[[str], bool] | None
-    ) -> None:
+    def _wait_for_acks(self, seq: int, names: set[str]) -> None:
         waiting = {name: f"{seq}/ack/{name}" for name in names}
         deadline = time.monotonic() + _ACK_S
         while waiting and time.monotonic() < deadline:
             for name, key in list(waiting.items()):
-                if self.space.check([key]) or (still_alive is not None and not still_alive(name)):
+                if self.space.check([key]) or not self.running(name):
                     del waiting[name]
             if waiting:
                 time.sleep(_POLL_S)

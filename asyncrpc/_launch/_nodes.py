@@ -227,6 +227,7 @@ class Node:
                     f"which cannot replace it; start the run again")  # fmt: skip
         if self.healer is None:
             self.healer = Healer(self.store, TAG, names, self.plan.max_restarts)
+            self.healer.alive = self._runs
         healer, name = self.healer, names[rank]
         retry = name in healer.retry
         unjoined = healer.joining() - {name}  # they have nothing to forget
@@ -252,6 +253,12 @@ class Node:
         finally:
             healer.started()
         return None
+
+    def _runs(self, name: str) -> bool:
+        """Whether this node's process for `name` still runs (True for other nodes' names)."""
+        assert self.healer is not None
+        local = self.healer.names.index(name) - self.first
+        return not 0 <= local < len(self.procs) or self.procs[local].poll() is None
 
     def _stop_joining(self, joining: set[str]) -> None:
         """Kill this node's replacements still joining: torch's join may wait for the dead one.

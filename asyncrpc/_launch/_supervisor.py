@@ -32,8 +32,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, NamedTuple
 
-from .._core import _context, _rendezvous
-from .._core._errors import WorkerFailedError
+from .._core import _context, _rendezvous, _torch
+from .._core._errors import WorkerFailedError, describe_exit
 from .._core._membership import Joining
 from . import _child, _forkserver, _healer
 from ._launched import launched, run_launched
@@ -269,7 +269,9 @@ def _run_embedded(
             alive.close()
             return _supervise(procs, errors, names, grace)
         current = procs[:]  # by rank; `procs` keeps every process started, to stop them
-        return _supervise(current, errors, names, grace, _Healing(healer, spawn))
+        # A process that ended is dead before this loop has handled its end.
+        healer.alive = lambda name: current[names.index(name)].is_alive()
+        return _supervise(current, errors, names, grace, _Healing(healer, spawn, {}, {}))
     except BaseException:
         _stop(procs)
         raise
@@ -281,13 +283,21 @@ def _run_embedded(
 
 
 _WAKE_S = 0.25  # how often the supervisor's wait returns, to take a Ctrl-C
+# A replacement whose join a member refused starts again after this: time for that
+# member to see its listener closed and end (`_core/_torch/_listener`), up to
+# _REFUSED_MAX times in a row uncounted (then counted: a member refusing for good).
+_REFUSED_S = 0.25
+_REFUSED_MAX = 40
 
 
 class _Healing(NamedTuple):
-    """What a supervisor that heals needs: the healer, and how to start a worker."""
+    """What a supervisor that heals needs: the healer, how to start a worker, what waits."""
 
     healer: _healer.Healer
     spawn: Callable[[int, int, Joining | None], tuple[BaseProcess, Connection]]
+    # Replacements to start later, by rank: (when, how it joins); their refusals in a row.
+    later: dict[int, tuple[float, Joining]]
+    refusals: dict[int, int]
 
 
 def _supervise(
@@ -300,11 +310,11 @@ def _supervise(
     running: dict[object, int] = {proc.sentinel: rank for rank, proc in enumerate(procs)}
     failures: list[WorkerFailedError] = []
     deadline = None
-    while running:
+    while running or (healing is not None and healing.later and not failures):
         # Never an endless wait: a Ctrl-C the kernel hands to another thread (torch's
         # store runs some here) does not interrupt this one; Python raises it here
         # only once the wait returns.
-        timeout = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.monotonic())
+        timeout = _wake_after(deadline, healing)
         ready = multiprocessing.connection.wait(list(running), max(0.0, timeout))  # type: ignore[arg-type]
         exited = sorted((running.pop(s) for s in ready), key=lambda r: _signal_first(procs[r]))
         for rank in exited:
@@ -316,12 +326,38 @@ def _supervise(
                 if _heal(healing, rank, failure, procs, errors, running):
                     continue
             failures.append(failure)
+        if healing is not None and not failures:
+            _start_due(healing, procs, errors, running)
         if failures and deadline is None:
             deadline = time.monotonic() + grace
         if deadline is not None and time.monotonic() >= deadline and running:
             _stop([procs[r] for r in running.values()])
             running.clear()
     return _report(failures)
+
+
+def _wake_after(deadline: float | None, healing: _Healing | None) -> float:
+    """How long the supervisor's wait may last: until the grace ends or a start is due."""
+    now = time.monotonic()
+    wake = [now + _WAKE_S] + ([deadline] if deadline is not None else [])
+    wake += [when for when, _ in healing.later.values()] if healing is not None else []
+    return min(wake) - now
+
+
+def _start_due(
+    healing: _Healing,
+    procs: list[BaseProcess],
+    errors: list[multiprocessing.connection.Connection],
+    running: dict[object, int],
+) -> None:
+    """Start the replacements held back (`_REFUSED_S`) whose time has come."""
+    now = time.monotonic()
+    for rank, (when, joining) in sorted(healing.later.items()):
+        if when <= now:
+            del healing.later[rank]
+            name = healing.healer.names[rank]
+            procs[rank], errors[rank] = healing.spawn(rank, healing.healer.attempts[name], joining)
+            running[procs[rank].sentinel] = rank
 
 
 def _heal(
@@ -336,35 +372,75 @@ def _heal(
     healer = healing.healer
     if not healer.formed():
         raise _Unformed(failure)  # _run_embedded stops every worker; run starts them again
-    retry = healer.names[rank] in healer.retry
-    unjoined = healer.joining() - {healer.names[rank]}  # they have nothing to forget
+    name = healer.names[rank]
+    retry = name in healer.retry  # before `_refused` marks it: its death stops other joiners
+    refused = _refused(healing, rank, failure)
+    unjoined = healer.joining() - {name}  # they have nothing to forget
     if not retry:  # one stopped as it joined held torch's join token: no joiner saw it
         _stop_joining(healer, unjoined, procs, running)
     alive = {healer.names[r] for r in running.values() if procs[r].is_alive()} - unjoined
+    # What the survivors' errors say: "worker 'worker2' <how> and is being replaced".
     how = failure.summary().split(f"(rank {rank}) ", 1)[-1]
-    by_name = {healer.names[r]: procs[r] for r in running.values()}
-    joining = healer.replace(rank, how, alive, lambda n: n in by_name and by_name[n].is_alive())
+    if not failure.remote_traceback:
+        how = describe_exit(failure.exitcode)
+    joining = healer.replace(rank, how, alive)
     if joining is None:
         if healer.count > healer.max_restarts:
             failure.add_note(_spent(healer.max_restarts, healer.started_again))
         return False
     try:
-        if failure.remote_traceback:
+        if failure.remote_traceback and not refused:
             print(failure.remote_traceback.rstrip(), file=sys.stderr, flush=True)
-        said = (
-            f"the replacement of worker {failure.name!r} (rank {rank}) was stopped before it "
-            f"joined, as another worker died meanwhile; starting it again"
-            if retry
-            else f"{failure.summary()}; replacing it in place "
-            f"(restart {healer.count} of {healer.max_restarts})"
-        )
-        print(f"asyncrpc: {said}", file=sys.stderr, flush=True)
-        name = healer.names[rank]
+        print(f"asyncrpc: {_heal_line(healer, rank, failure, retry, refused)}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        if refused:
+            healing.later[rank] = (time.monotonic() + _REFUSED_S, joining)
+            return True
         procs[rank], errors[rank] = healing.spawn(rank, healer.attempts[name], joining)
     finally:
         healer.started()
     running[procs[rank].sentinel] = rank
     return True
+
+
+def _refused(healing: _Healing, rank: int, failure: WorkerFailedError) -> bool:
+    """A replacement whose join a member refused: started again later, not counted.
+
+    That member's listener is closed, and it ends soon to be replaced
+    (`_core/_torch/_listener`); a join before then is refused again.
+    """
+    healer = healing.healer
+    name = healer.names[rank]
+    joined = name not in healer.joining()
+    if joined or not _torch.refused(failure.remote_traceback or ""):
+        healing.refusals.pop(rank, None)
+        return False
+    healing.refusals[rank] = healing.refusals.get(rank, 0) + 1
+    if healing.refusals[rank] > _REFUSED_MAX:
+        return False
+    healer.retry.add(name)  # neither counted nor an attempt of its own
+    return True
+
+
+def _heal_line(
+    healer: _healer.Healer, rank: int, failure: WorkerFailedError, retry: bool, refused: bool
+) -> str:
+    name = healer.names[rank]
+    if refused:
+        return (
+            f"the replacement of worker {name!r} (rank {rank}) could not join: another "
+            f"member refused its connection (its listener closed; it ends and is replaced "
+            f"too); starting it again in {_REFUSED_S:g} s"
+        )
+    if retry:
+        return (
+            f"the replacement of worker {name!r} (rank {rank}) was stopped before it "
+            f"joined, as another worker died meanwhile; starting it again"
+        )
+    return (
+        f"{failure.summary()}; replacing it in place "
+        f"(restart {healer.count} of {healer.max_restarts})"
+    )
 
 
 def _stop_joining(

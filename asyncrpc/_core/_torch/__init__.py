@@ -140,7 +140,13 @@ from ._sending import (
     sending_to,
     serialize,
 )
-from ._texts import RemoteException, failure_kind, raise_remote_exception, remote_exception
+from ._texts import (
+    RemoteException,
+    failure_kind,
+    raise_remote_exception,
+    refused,
+    remote_exception,
+)
 from ._unread import watch_unread
 from ._versions import TESTED_TORCH
 
@@ -207,6 +213,7 @@ __all__ = (
     "profiling",
     "quiet_torchscript",
     "raise_remote_exception",
+    "refused",
     "register_rendezvous",
     "release_user_rrefs",
     "remote",

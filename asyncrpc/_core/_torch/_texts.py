@@ -15,7 +15,13 @@ from typing import Any
 
 from torch.distributed.rpc import internal as _rpc_internal
 
-__all__ = ("RemoteException", "failure_kind", "raise_remote_exception", "remote_exception")
+__all__ = (
+    "RemoteException",
+    "failure_kind",
+    "raise_remote_exception",
+    "refused",
+    "remote_exception",
+)
 
 # Each pattern is matched against the first lines of the RuntimeError that torch
 # raises from wait()/to_here(); tests/test_torch_boundary.py provokes each one.
@@ -52,6 +58,15 @@ def failure_kind(error: BaseException) -> str | None:
         if pattern.search(text):
             return kind
     return None
+
+
+def refused(text: str) -> bool:
+    """Whether a traceback's text says TensorPipe's connect was refused (ECONNREFUSED).
+
+    A replacement's join that a member refused: that member's listener is
+    closed (see `_listener`), not this process's fault.
+    """
+    return "ECONNREFUSED" in text
 
 
 class _Absent:
