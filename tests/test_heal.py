@@ -61,8 +61,9 @@ def test_a_killed_worker_is_replaced_and_the_survivors_keep_their_state() -> Non
     assert basic["counter"] == 6 and basic["state"] and basic["tensor"] == 15.0
     assert basic["ping"]
     # on_replaced on every survivor; an unregistered callback hears nothing.
-    assert basic["events"]["worker0"] == [["worker2", 2, 1]]
-    assert basic["events"]["worker1"] == [["worker2", 2, 1]]
+    # With the reason the dead process ended, as the supervisor saw it.
+    assert basic["events"]["worker0"] == [["worker2", 2, 1, "was killed by SIGKILL"]]
+    assert basic["events"]["worker1"] == [["worker2", 2, 1, "was killed by SIGKILL"]]
     assert basic["events"]["unregistered"] == []
     assert "replacing it in place (restart 1 of 1)" in done.stderr
 

@@ -107,7 +107,8 @@ def _name_read(error: BaseException, sent: Sent) -> BaseException:
 
 
 def _name_rref(error: BaseException, owner: str) -> BaseException:
-    return name_failure(error, owner, "RRef.to_here()")
+    # The member's name, not a replacement's torch name ("worker1:7", see _membership).
+    return name_failure(error, owner.split(":", 1)[0], "RRef.to_here()")
 
 
 HOOKS = _torch.Hooks(

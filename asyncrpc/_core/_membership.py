@@ -115,12 +115,16 @@ class Joining(NamedTuple):
 class Replaced(NamedTuple):
     """A worker of this world was replaced: its `name`, `rank` and `attempt` (1 for the first).
 
-    What `asyncrpc.on_replaced` callbacks receive.
+    What `asyncrpc.on_replaced` callbacks receive. `reason`: how the process
+    it replaces ended, as its supervisor saw it ("was killed by SIGKILL",
+    "ended (exit code 76) as torch had closed its listener ..."); "" where
+    this worker did not hear it.
     """
 
     name: str
     rank: int
     attempt: int
+    reason: str = ""
 
 
 def torch_name(name: str, torch_id: int, size: int) -> str:
@@ -251,16 +255,20 @@ class Members:
             return True
 
     def joined(self, name: str, torch_id: int, attempt: int) -> Replaced | None:
-        """Record `name`'s replacement (torch id, attempt); the event, or None if stale."""
+        """Record `name`'s replacement (torch id, attempt); the event, or None if stale.
+
+        Stale too: the welcome of a process already known dead (killed as it
+        welcomed the members, its news came first).
+        """
         with self.lock:
-            if self.attempts.get(name, -1) >= attempt:
+            if self.attempts.get(name, -1) >= attempt or torch_id in self.lost:
                 return None
             old = self.ids.get(name)
             if old is not None and old != torch_id:
                 self.lost.setdefault(old, name)
             self.ids[name], self.attempts[name] = torch_id, attempt
-            self.replacing.pop(name, None)
-            return Replaced(name, self.names.index(name), attempt)
+            reason = self.replacing.pop(name, "")
+            return Replaced(name, self.names.index(name), attempt, reason)
 
     def announce(self, event: Replaced) -> None:
         """Run the `on_replaced` callbacks for `event` on a thread of their own."""

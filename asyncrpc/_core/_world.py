@@ -498,7 +498,8 @@ def on_replaced(callback: Callable[[Replaced], object]) -> Callable[[], None]:
 
     For a world that heals (`asyncrpc.run(..., restart="worker")` or
     `asyncrpc-launch --restart worker`). `event` is a `Replaced`: the
-    worker's `name`, `rank` and `attempt`. The callback runs on a thread of
+    worker's `name`, `rank` and `attempt`, and the `reason` its process
+    ended ("was killed by SIGKILL"). The callback runs on a thread of
     its own once the replacement has joined, before its `main` starts, so it
     may call the replacement, e.g. to create there again the objects lost
     with the dead process. Returns a function that unregisters the callback.

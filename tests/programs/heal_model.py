@@ -78,8 +78,8 @@ def lend_use(handle: asyncrpc.RemoteObject[Counter], call_id: int, k: int) -> An
     return handle.call("add", call_id, k)
 
 
-def usage() -> dict[str, int]:
-    """This process's descriptors, threads and sockets left in CLOSE-WAIT."""
+def usage() -> dict[str, Any]:
+    """This process's descriptors, threads and sockets left in CLOSE-WAIT (with their ports)."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -88,16 +88,21 @@ def usage() -> dict[str, int]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    close_wait = 0
+    close_wait, ports = 0, []
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         with open(table) as lines:
             for line in list(lines)[1:]:
                 fields = line.split()
-                close_wait += fields[9] in inodes and fields[3] == "08"
+                if fields[9] in inodes and fields[3] == "08":
+                    close_wait += 1  # local -> remote port: which side of whose pipe
+                    ports.append("->".join(str(int(f.rsplit(":", 1)[1], 16)) for f in fields[1:3]))
     with open("/proc/self/status") as status:
         threads = next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+    from asyncrpc._core._torch import _listener  # where torch publishes its address
+
     return {"fds": len(os.listdir("/proc/self/fd")), "threads": threads,
-            "close_wait": close_wait}  # fmt: skip
+            "close_wait": close_wait, "close_wait_ports": ports,
+            "listens_on": _listener.port()}  # fmt: skip
 
 
 def ran() -> tuple[int, list[int]]:

@@ -47,6 +47,7 @@ KILLABLE = ("worker1", "worker2")
 SURVIVOR = "worker3"  # never killed: it serves, relays and holds lent handles
 FD_SLACK = 8  # descriptors a survivor may hold beyond its first example's (pipes to replacements)
 CALL_S = 10.0  # each call's timeout
+LISTENER_CLOSED = "exit code 76"  # a Replaced.reason: torch closed its listener
 CLOSE_WAIT_S = 5.0  # how long a dead process's pipe may take to close after its heal
 HANG_S = CALL_S + 5.0  # a Future not done by then hangs
 JOIN_S = 15.0  # a replacement joins within this
@@ -78,12 +79,29 @@ class Shared:
     changed = threading.Condition()
     log: ClassVar[list[str]] = []
     stats: ClassVar[collections.Counter[str]] = collections.Counter()  # steps and outcomes
+    # Restarts no kill of the model's made: the worker ended itself, its listener closed.
+    restarts_of_own: ClassVar[collections.Counter[str]] = collections.Counter()
 
     @classmethod
     def seen(cls, event: asyncrpc.Replaced) -> None:
         with cls.changed:
             cls.events.append(event)
             cls.changed.notify_all()
+
+    @classmethod
+    def closed_listener(cls, name: str, attempt: int) -> bool:
+        """Whether `name`'s attempt replaced a process that ended as torch closed its listener.
+
+        No kill of the model's: the worker ended itself (exit code 76), and
+        the world replaced it (a process killed as it connected to it, say).
+        """
+        with cls.changed:
+            cls.changed.wait_for(
+                lambda: any(e[:3] == (name, WORKERS.index(name) + 1, attempt) for e in cls.events),
+                1.0,
+            )
+            return any(e.name == name and e.attempt == attempt and LISTENER_CLOSED in e.reason
+                       for e in cls.events)  # fmt: skip
 
     failure: str | None = None  # the first failure: what broke, and the example's steps
 
@@ -272,6 +290,9 @@ class BaseModel(RuleBasedStateMachine):
         value = self._poll_value(name)
         pid, attempt, _ = value
         before = Shared.attempts[name]
+        while attempt > before and Shared.clean and Shared.closed_listener(name, before + 1):
+            before += 1  # a restart of its own between two examples
+            Shared.restarts_of_own[name] += 1
         assert attempt == before or (not Shared.clean and attempt > before), (
             f"{name} answers with attempt {attempt} at an example's start; the model "
             f"ended the last one at attempt {before}"
@@ -308,6 +329,9 @@ class BaseModel(RuleBasedStateMachine):
         """Check a call's value: its own id, from the process of `attempt`."""
         pid, answered, echoed = got[:3]
         assert echoed == call_id, f"call {call_id} to {worker.name} returned id {echoed}"
+        if answered > worker.attempt >= attempt:
+            self._catch_up(worker, answered)
+            attempt = max(attempt, worker.attempt)
         if worker.retried and attempt == worker.attempt and answered == attempt - 1:
             worker.attempt = attempt = answered  # the supervisor's own start again, not ours
             worker.pids[answered] = pid
@@ -481,6 +505,15 @@ class BaseModel(RuleBasedStateMachine):
         Shared.stats["processes killed"] += 1
         self.note(f"  killed: {worker.name} now expects attempt {worker.attempt}")
 
+    def _catch_up(self, worker: Worker, answered: int) -> None:
+        """Restarts the model did not make: workers whose listener torch closed (exit code 76)."""
+        while worker.attempt < answered:
+            if not Shared.closed_listener(worker.name, worker.attempt + 1):
+                return  # not one: the caller's checks say what the model expected
+            self._killed(worker)
+            Shared.restarts_of_own[worker.name] += 1
+            Shared.stats["restarted: its listener closed"] += 1
+
     def _kill_newborn(self, worker: Worker, delay: float) -> None:
         """Kill the replacement's process too, `delay` s after it appears."""
         pid = _newborn(Shared.known, JOIN_S)
@@ -497,7 +530,9 @@ class BaseModel(RuleBasedStateMachine):
     def _wait_event(self, worker: Worker) -> None:
         want = (worker.name, WORKERS.index(worker.name) + 1, worker.attempt)
         with Shared.changed:
-            met = Shared.changed.wait_for(lambda: want in Shared.events, JOIN_S)
+            met = Shared.changed.wait_for(
+                lambda: any(event[:3] == want for event in Shared.events), JOIN_S
+            )
         assert met, f"no on_replaced event {want} within {JOIN_S} s: {Shared.events}"
         worker.joined = True
 
@@ -510,6 +545,8 @@ class BaseModel(RuleBasedStateMachine):
     @invariant()
     def the_survivor_keeps_its_process(self) -> None:
         survivor = self.workers[SURVIVOR]
+        if Shared.restarts_of_own[SURVIVOR]:  # it ended itself, its listener closed
+            return
         assert survivor.attempt == 0 and survivor.pids == {0: Shared.survivor_pid}, survivor
         assert Shared.survivor_pid not in (None, 0) and _state(Shared.survivor_pid) not in (
             None, "Z", "X"), f"{SURVIVOR} (pid {Shared.survivor_pid}) died"  # fmt: skip
@@ -522,7 +559,9 @@ class BaseModel(RuleBasedStateMachine):
         for event in events:
             assert event.rank == WORKERS.index(event.name) + 1, event
             model = self.workers[event.name].attempt
-            assert 1 <= event.attempt <= model, f"{event}: the model is at attempt {model}"
+            assert 1 <= event.attempt <= model or LISTENER_CLOSED in event.reason, (
+                f"{event}: the model is at attempt {model}"
+            )
 
     # ---- the example's end -----------------------------------------------------------
 
