@@ -110,7 +110,7 @@ def test_a_worker_whose_listener_torch_closed_is_replaced_and_later_deaths_still
     # dies at the same moment: its replacement's join, refused by worker2 until worker2
     # is replaced, is started again a moment later (neither a restart nor an attempt of
     # its own), then joins; worker3 is killed once more: attempt 2.
-    seen = _run("listener", "can no longer accept connections", "had closed its listener")
+    seen = _run("listener", "can no longer accept connections", "whose listener torch had closed")
     assert seen["attempts"] == {"worker2": 1, "worker3": 2}, seen
     assert seen["survivor_kept"], seen
     assert all(failure["named"] for failure in seen["failures"]), seen["failures"]

@@ -185,9 +185,9 @@ class WorkerFailedError(AsyncRPCError):
             return f"{who} {how}"
         if self.exitcode == LISTENER_CLOSED_EXIT:
             return (
-                f"{who} {how} (something connected to its port and closed before torch's "
-                f"first message: a port scanner, a TCP health check, a process killed as it "
-                f"connected); keep those off the workers' ports"
+                f"{who} {how}: something connected to its port and closed before torch's "
+                f"first message (a replacement killed as it joined, a port scanner, a TCP "
+                f"health check); keep scanners and health checks off the workers' ports"
             )
         if self.exitcode == 0:  # no error: it left without returning from main
             return (
@@ -209,8 +209,9 @@ def describe_exit(exitcode: int | None) -> str:
     """How a process ended, from its exit code (negative: the signal that killed it)."""
     if exitcode == LISTENER_CLOSED_EXIT:
         return (
-            f"ended (exit code {exitcode}) as torch had closed its listener: "
-            f"no process could connect to it any more"
+            f"ended (exit code {exitcode}: in a world that heals, asyncrpc's code for a "
+            f"worker whose listener torch had closed, so that no process could connect to "
+            f"it any more)"
         )
     if exitcode is None or exitcode >= 0:
         return f"exited with code {exitcode}"

@@ -117,8 +117,9 @@ class Replaced(NamedTuple):
 
     What `asyncrpc.on_replaced` callbacks receive. `reason`: how the process
     it replaces ended, as its supervisor saw it ("was killed by SIGKILL",
-    "ended (exit code 76) as torch had closed its listener ..."); "" where
-    this worker did not hear it.
+    "ended (exit code 76: ... whose listener torch had closed ..."); "died"
+    where this worker joined while it was being replaced, "" where it did
+    not hear of the death.
     """
 
     name: str
@@ -251,7 +252,9 @@ class Members:
             if torch_id in self.lost or not known:
                 return False
             self.lost[torch_id] = name
-            self.replacing[name] = why
+            # The first death's reason: a replacement stopped or refused as it joined
+            # is no news of the member (`Replaced.reason`, the callers' errors).
+            self.replacing.setdefault(name, why)
             return True
 
     def joined(self, name: str, torch_id: int, attempt: int) -> Replaced | None:

@@ -266,6 +266,7 @@ class Node:
         Their deaths are seen next; they start again (`Healer.retry`: not counted).
         """
         assert self.healer is not None
+        stopped = []
         for local, proc in enumerate(self.procs):
             name = self.healer.names[self.first + local]
             if name in joining and proc.poll() is None:
@@ -273,7 +274,11 @@ class Node:
                 proc.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(_KILLED_S)  # dead before its name is forgotten
-                self.healer.forget_stopped(name)
+                stopped.append(name)
+        # All killed first: one still joining may hold torch's group token, which
+        # the forgetting of another would wait for.
+        for name in stopped:
+            self.healer.forget_stopped(name)
 
     def _failure_elsewhere(self) -> str | None:
         try:

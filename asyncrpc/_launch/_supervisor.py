@@ -260,6 +260,10 @@ def _run_embedded(
         writer.close()
         return proc, reader
 
+    def retire(proc: BaseProcess) -> None:
+        procs.remove(proc)
+        proc.close()
+
     try:
         for rank in range(world_size):
             joining = Joining(rank, "0", replacement=False) if healer is not None else None
@@ -270,8 +274,8 @@ def _run_embedded(
             return _supervise(procs, errors, names, grace)
         current = procs[:]  # by rank; `procs` keeps every process started, to stop them
         # A process that ended is dead before this loop has handled its end.
-        healer.alive = lambda name: current[names.index(name)].is_alive()
-        return _supervise(current, errors, names, grace, _Healing(healer, spawn, {}, {}))
+        healer.alive = lambda name: _runs(current[names.index(name)])
+        return _supervise(current, errors, names, grace, _Healing(healer, spawn, {}, {}, retire))
     except BaseException:
         _stop(procs)
         raise
@@ -298,6 +302,8 @@ class _Healing(NamedTuple):
     # Replacements to start later, by rank: (when, how it joins); their refusals in a row.
     later: dict[int, tuple[float, Joining]]
     refusals: dict[int, int]
+    # Let go of a process that ended and was replaced (its descriptors: 2 a process).
+    retire: Callable[[BaseProcess], None]
 
 
 def _supervise(
@@ -326,6 +332,8 @@ def _supervise(
                 if _heal(healing, rank, failure, procs, errors, running):
                     continue
             failures.append(failure)
+            if healing is not None:
+                healing.later.clear()  # the world fails: nothing more starts
         if healing is not None and not failures:
             _start_due(healing, procs, errors, running)
         if failures and deadline is None:
@@ -393,6 +401,7 @@ def _heal(
             print(failure.remote_traceback.rstrip(), file=sys.stderr, flush=True)
         print(f"asyncrpc: {_heal_line(healer, rank, failure, retry, refused)}",
               file=sys.stderr, flush=True)  # fmt: skip
+        healing.retire(procs[rank])
         if refused:
             healing.later[rank] = (time.monotonic() + _REFUSED_S, joining)
             return True
@@ -458,6 +467,14 @@ def _stop_joining(
         procs[other].join(_KILLED_S)  # dead before its name is forgotten
     for other in stopped:
         healer.forget_stopped(healer.names[other])
+
+
+def _runs(proc: BaseProcess) -> bool:
+    """Whether `proc` still runs; False once retired (closed), its replacement not started yet."""
+    try:
+        return proc.is_alive()
+    except ValueError:  # closed
+        return False
 
 
 def _signal_first(proc: BaseProcess) -> int:

@@ -66,7 +66,7 @@ def refused(text: str) -> bool:
     A replacement's join that a member refused: that member's listener is
     closed (see `_listener`), not this process's fault.
     """
-    return "ECONNREFUSED" in text
+    return "ECONNREFUSED: connection refused (this error originated at tensorpipe/" in text
 
 
 class _Absent:
