@@ -30,9 +30,9 @@ from typing import Any
 from .._core import _world
 from . import _parent
 
-__all__ = ("caller_output", "close_outputs", "pickled_main", "worker")
+__all__ = ("KILL_AFTER_S", "caller_output", "close_outputs", "pickled_main", "worker")
 
-_TERM_S = 2.0  # from SIGTERM to SIGKILL, once the supervisor is gone
+KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL: the supervisor's stop, and a worker's own
 
 
 def caller_output() -> tuple[Connection | None, ...]:
@@ -192,7 +192,7 @@ def _watch_parent(alive: Connection) -> None:
         except (EOFError, OSError):
             pass
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(_TERM_S)  # a program's own SIGTERM handler had its chance
+        time.sleep(KILL_AFTER_S)  # a program's own SIGTERM handler had its chance
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="asyncrpc-parent-watch", daemon=True).start()

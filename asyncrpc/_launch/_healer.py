@@ -142,7 +142,7 @@ class Healer:
         (`spawned/<name>` in the store, shared by the launchers of every node;
         its rank before any heal; none while it is being replaced or was
         stopped). Any other process of that name is dead, and so is that one
-        once it ended (`running`): a joiner that failed holds the token it
+        once it ended (`alive`): a joiner that failed holds the token it
         took for good, also before the supervisor has handled its death.
         """
         name, _, tail = torch_name.partition(":")
@@ -153,7 +153,7 @@ class Healer:
         latest = int(self.space.get(key)) if self.space.check([key]) else self.names.index(name)
         if torch_id == forgotten or torch_id != latest:
             return True
-        return not self.running(name)
+        return not self.alive(name)  # `latest` is a live id: the store says no more
 
     def running(self, name: str) -> bool:
         """Whether the process started last for `name` may still run.

@@ -41,7 +41,6 @@ from ._launched import launched, run_launched
 __all__ = ("run",)
 
 _GRACE_S = 3.0  # how long survivors get to exit on their own after a failure
-_KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL
 _KILLED_S = 5.0  # how long a SIGKILLed worker may take to be gone
 
 
@@ -363,9 +362,21 @@ def _start_due(
     for rank, (when, joining) in sorted(healing.later.items()):
         if when <= now:
             del healing.later[rank]
-            name = healing.healer.names[rank]
-            procs[rank], errors[rank] = healing.spawn(rank, healing.healer.attempts[name], joining)
-            running[procs[rank].sentinel] = rank
+            _start(healing, rank, joining, procs, errors, running)
+
+
+def _start(
+    healing: _Healing,
+    rank: int,
+    joining: Joining,
+    procs: list[BaseProcess],
+    errors: list[multiprocessing.connection.Connection],
+    running: dict[object, int],
+) -> None:
+    """Start worker `rank`'s replacement and watch it."""
+    name = healing.healer.names[rank]
+    procs[rank], errors[rank] = healing.spawn(rank, healing.healer.attempts[name], joining)
+    running[procs[rank].sentinel] = rank
 
 
 def _heal(
@@ -388,8 +399,9 @@ def _heal(
         _stop_joining(healer, unjoined, procs, running)
     alive = {healer.names[r] for r in running.values() if procs[r].is_alive()} - unjoined
     # What the survivors' errors say: "worker 'worker2' <how> and is being replaced".
-    how = failure.summary().split(f"(rank {rank}) ", 1)[-1]
-    if not failure.remote_traceback:
+    if failure.remote_traceback:
+        how = failure.summary().split(f"(rank {rank}) ", 1)[-1]
+    else:
         how = describe_exit(failure.exitcode)
     joining = healer.replace(rank, how, alive)
     if joining is None:
@@ -404,11 +416,10 @@ def _heal(
         healing.retire(procs[rank])
         if refused:
             healing.later[rank] = (time.monotonic() + _REFUSED_S, joining)
-            return True
-        procs[rank], errors[rank] = healing.spawn(rank, healer.attempts[name], joining)
+        else:
+            _start(healing, rank, joining, procs, errors, running)
     finally:
         healer.started()
-    running[procs[rank].sentinel] = rank
     return True
 
 
@@ -509,7 +520,7 @@ def _stop(procs: list[BaseProcess]) -> None:
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
-        deadline = time.monotonic() + _KILL_AFTER_S
+        deadline = time.monotonic() + _child.KILL_AFTER_S
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
@@ -520,4 +531,4 @@ def _stop(procs: list[BaseProcess]) -> None:
             if proc.is_alive():
                 proc.kill()
         for proc in procs:
-            proc.join(_KILL_AFTER_S)
+            proc.join(_child.KILL_AFTER_S)
