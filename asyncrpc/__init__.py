@@ -15,6 +15,7 @@ Example::
 from ._batch import Batch
 from ._core._calls import remote, rpc_async, rpc_sync
 from ._core._cancel import cancel, cancelled
+from ._core._elastic import add_workers, members, on_members, remove_workers, stopping
 from ._core._errors import (
     AsyncRPCError,
     AwaitedNonFutureError,
@@ -22,8 +23,10 @@ from ._core._errors import (
     CallTimeoutError,
     CancelledError,
     DuplicateNameError,
+    JoinTimeoutError,
     NestedCallError,
     NotAFutureError,
+    NotElasticError,
     NotInitializedError,
     ObjectLostError,
     PortInUseError,
@@ -33,7 +36,9 @@ from ._core._errors import (
     UnknownWorkerError,
     UnsupportedTorchError,
     WorkerFailedError,
+    WorkerLeftError,
     WorkerUnreachableError,
+    WorldFullError,
     WorldSizeMismatchError,
 )
 from ._core._execution import async_execution
@@ -48,6 +53,7 @@ from ._core._futures import (
     with_timeout,
 )
 from ._core._init import init
+from ._core._membership import Joined, Left
 from ._core._stream import Stream, stream
 from ._core._unwaited import log_unwaited_failures
 from ._core._world import (
@@ -80,8 +86,12 @@ __all__ = (
     "Ensemble",
     "Fanout",
     "FanoutPlan",
+    "JoinTimeoutError",
+    "Joined",
+    "Left",
     "NestedCallError",
     "NotAFutureError",
+    "NotElasticError",
     "NotInitializedError",
     "ObjectLostError",
     "PortInUseError",
@@ -97,8 +107,11 @@ __all__ = (
     "UnknownWorkerError",
     "UnsupportedTorchError",
     "WorkerFailedError",
+    "WorkerLeftError",
     "WorkerUnreachableError",
+    "WorldFullError",
     "WorldSizeMismatchError",
+    "add_workers",
     "as_completed",
     "async_execution",
     "call_all",
@@ -113,14 +126,18 @@ __all__ = (
     "gather",
     "init",
     "log_unwaited_failures",
+    "members",
+    "on_members",
     "on_replaced",
     "remote",
+    "remove_workers",
     "render_trace",
     "rpc_async",
     "rpc_sync",
     "run",
     "shutdown",
     "spawn",
+    "stopping",
     "stream",
     "trace",
     "wait_first",

@@ -108,6 +108,14 @@ CASES = {
         ["--rounds", "1", "--kills", "1", "--no-ray"],
         ["asyncrpc, heal one worker", "asyncrpc, restart the whole world"],
     ),
+    "elastic": (
+        ["--rounds", "1", "--repeats", "1", "--no-ray"],
+        [
+            "add 1 worker, to its first answer",
+            "add 8 workers, to every first answer",
+            "remove 1 idle worker",
+        ],
+    ),
 }
 # Rows without a peer when Ray is left out: they must print asyncrpc's figure.
 FIGURES = {
@@ -162,6 +170,10 @@ JSON_FIGURES = {
     "heal": [
         ("ways", "asyncrpc, heal one worker", "seconds"),
         ("ways", "asyncrpc, restart the whole world", "vs_heal"),
+    ],
+    "elastic": [
+        ("rows", "add 1 worker, to its first answer", "seconds", "asyncrpc (embedded)"),
+        ("rows", "remove 1 idle worker", "seconds", "asyncrpc (embedded)"),
     ],
 }
 CHARTS = {

@@ -181,7 +181,9 @@ def check(
 ) -> Call:
     """Validate one call before anything is sent; `label` names it in errors (default: func)."""
     world = _runtime.running_world() or _world.current_world(f"asyncrpc.{verb}")
-    worker = _worker_name(verb, to, world.context.names)
+    # A world that heals or grows: members added since this one started count too.
+    names = world.context.names if world.members is None else world.members.names
+    worker = _worker_name(verb, to, names)
     if world.members is not None:  # a world that heals: `worker` may be being replaced
         world.members.check_call(worker)
     if world.infos or _torch.agent_running():  # peers may call before the agent is set
@@ -200,7 +202,7 @@ def check(
         raise TypeError(f"{verb}: kwargs must be a dict, got {type(kwargs).__name__}")
     seconds = check_timeout(verb, timeout)
     label = func if label is None else label
-    callee = int(to.id) if isinstance(to, WorkerInfo) else world.context.names.index(worker)
+    callee = int(to.id) if isinstance(to, WorkerInfo) else names.index(worker)
     caller = world.key_rank if world.key_rank >= 0 else world.context.rank  # torch's id
     sent = Sent(worker, label, callee, new_key(caller))
     return Call(worker, to, func, args, kwargs, seconds, label, sent, world.hang_after)

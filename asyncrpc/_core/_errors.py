@@ -22,8 +22,10 @@ __all__ = [
     "CallTimeoutError",
     "CancelledError",
     "DuplicateNameError",
+    "JoinTimeoutError",
     "NestedCallError",
     "NotAFutureError",
+    "NotElasticError",
     "NotInitializedError",
     "ObjectLostError",
     "PortInUseError",
@@ -33,7 +35,9 @@ __all__ = [
     "UnknownWorkerError",
     "UnsupportedTorchError",
     "WorkerFailedError",
+    "WorkerLeftError",
     "WorkerUnreachableError",
+    "WorldFullError",
     "WorldSizeMismatchError",
 ]
 
@@ -128,6 +132,31 @@ class ObjectLostError(WorkerUnreachableError):
     handle raises this, also after the heal. Attribute `name`: the owner's
     name. Spawn the object again (`asyncrpc.on_replaced` says when).
     """
+
+
+class WorkerLeftError(WorkerUnreachableError):
+    """A call went to a worker that was removed from the world (`asyncrpc.remove_workers`).
+
+    Calls to it fail at once from the moment its removal began, and calls
+    it was running when it was stopped fail with this too. Attribute `name`:
+    the worker that left. The message says who removed it.
+    """
+
+
+class WorldFullError(AsyncRPCError, RuntimeError):
+    """`add_workers` would take the world past its `max_world_size`; nothing was started."""
+
+
+class NotElasticError(AsyncRPCError, RuntimeError):
+    """A membership change was asked of a world whose members are fixed.
+
+    Start the world with `asyncrpc.run(main, world_size=N, elastic=True)` (or
+    `restart="worker"`, which is elastic too).
+    """
+
+
+class JoinTimeoutError(AsyncRPCError, TimeoutError):
+    """Workers `add_workers` started did not join within its timeout; they were stopped."""
 
 
 class CallTimeoutError(AsyncRPCError, RuntimeError, TimeoutError):

@@ -40,13 +40,14 @@ import traceback
 import types
 from typing import Any, NoReturn
 
-from . import _torch
+from . import _runtime, _torch
 from ._errors import (
     AsyncRPCError,
     CallTimeoutError,
     ObjectLostError,
     RemoteError,
     SerializationError,
+    WorkerLeftError,
     WorkerUnreachableError,
 )
 
@@ -386,6 +387,13 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
             f"larger timeout=..., or check that {worker!r} is not stuck",
             worker,
         )
+    elif kind == "unreachable" and _left(worker):
+        named = WorkerLeftError(
+            f"worker {worker!r} left the world ({_left(worker)}) before the call to "
+            f"{label_of(func)} finished there; call one of asyncrpc.members() instead. "
+            f"Transport: {first}",
+            worker,
+        )
     elif kind == "unreachable":
         named = WorkerUnreachableError(
             f"worker {worker!r} cannot be reached, so the call to {label_of(func)} failed; "
@@ -407,6 +415,13 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
         )
     named.__cause__ = error
     return named
+
+
+def _left(worker: str) -> str:
+    """Why `worker` left this elastic world (`remove_workers`), or "" if it did not."""
+    world = _runtime.running_world()
+    members = world.members if world is not None else None
+    return members.left.get(worker, "") if members is not None else ""
 
 
 _LOST_OWNER = re.compile(r"ObjectLostError: (.*?live[sd] on worker '([^']*)'.*?)(?:\n\n|\nAt:|$)",

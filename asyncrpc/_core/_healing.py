@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed.rpc as rpc
 
-from . import _membership, _runtime, _torch
+from . import _membership, _records, _runtime, _torch
 from ._errors import LISTENER_CLOSED_EXIT
 from ._membership import Joining
 
@@ -39,10 +39,11 @@ def join(world: World, joining: Joining) -> None:
     ctx, settings = world.context, world.settings
     assert world.store is not None and settings is not None
     space = _membership.heal_space(world.store, world.tag)
-    _membership.publish(space, ctx, joining.torch_id, _torch.group_key_prefix())
-    if not joining.replacement:
-        _membership.wait_for_all(space, ctx.names, settings.init_timeout)
-    members = _membership.read_members(space, ctx.names)
+    first = not joining.replacement
+    _records.publish(space, ctx, joining.torch_id, _torch.group_key_prefix(), first)
+    if first:
+        _records.wait_for_all(space, ctx.names, settings.init_timeout)
+    members = _records.read_members(space, ctx.names, joining.size or ctx.world_size)
     if joining.replacement:  # another member may be being replaced as this one joins
         members.missed(_torch.known_ids())
     world.members = members
@@ -51,11 +52,13 @@ def join(world: World, joining: Joining) -> None:
     # Before this member counts as ready, so no main sees the world without its thread;
     # a listener closed before is seen closed at once.
     _torch.watch_listener(lambda: _listener_closed(world))
-    _membership.mark_ready(space, ctx.name)
+    _records.mark_ready(space, ctx.name)
     if joining.replacement:
         _welcome_all(world, settings.rpc_timeout)
+        # Every member knows this one now: `add_workers` returns (see `_elastic`).
+        space.set(f"joined/{ctx.name}", "1")
     else:  # no member's main calls one that does not know the members yet
-        _membership.wait_for_all(space, ctx.names, settings.init_timeout, key="ready")
+        _records.wait_for_all(space, ctx.names, settings.init_timeout, key="ready")
 
 
 def _listener_closed(world: World) -> None:
@@ -85,11 +88,11 @@ def _welcome_all(world: World, timeout: float) -> None:
     ctx, members = world.context, world.members
     assert members is not None
     futures = []
-    for name in ctx.names:
-        if name == ctx.name or name in members.replacing:
+    for name in members.names:
+        if name == ctx.name or name in members.replacing or name in members.lost.values():
             continue
         try:
-            args = (ctx.name, world.key_rank, ctx.attempt)
+            args = (ctx.name, world.key_rank, ctx.attempt, ctx.rank)
             info = members.info(name)
             futures.append(_torch.rpc_async(info, _welcome, args=args, timeout=timeout))
         except RuntimeError:  # not in the group now: being replaced itself
@@ -109,12 +112,12 @@ def _starting_members() -> World | None:
     return world
 
 
-def _welcome(name: str, torch_id: int, attempt: int) -> None:
-    """Run on a member: `name`'s replacement (torch id, attempt) has joined."""
+def _welcome(name: str, torch_id: int, attempt: int, rank: int = -1) -> None:
+    """Run on a member: `name`'s replacement (torch id, attempt) has joined, or a new member."""
     world = _starting_members()
     if world is None or world.members is None:
         return
-    event = world.members.joined(name, torch_id, attempt)
+    event = world.members.joined(name, torch_id, attempt, rank)
     if event is not None:
         world.members.announce(event)
         _membership.trim_heap()
@@ -126,14 +129,38 @@ def news(text: str) -> None:
     world = _starting_members()
     if parsed is None or world is None or world.members is None or world.store is None:
         return
-    seq, torch_id, name, why = parsed
-    if world.members.gone(name, torch_id, why):
+    kind, seq, torch_id, name, why = parsed
+    if kind == _membership.LEAVING:
+        _leaving(world, name, why)
+    elif kind == _membership.LEFT:
+        _departed(world, name, torch_id)
+    elif world.members.gone(name, torch_id, why):
         # Kept in torch's group (see _membership); its pipe closed, or its sockets
         # would stay open (CLOSE-WAIT) here for good.
-        _torch.close_pipe(_membership.torch_name(name, torch_id, world.context.world_size))
+        _torch.close_pipe(_membership.torch_name(name, torch_id, world.members.size))
         for hook in list(world.members.gone_hooks):
             hook(torch_id)
     _membership.heal_space(world.store, world.tag).set(f"{seq}/ack/{world.context.name}", "1")
+
+
+def _leaving(world: World, name: str, why: str) -> None:
+    """`name` is being removed: calls to it fail from now; if it is this worker, it stops."""
+    assert world.members is not None
+    world.members.leaving(name, why)
+    if name == world.context.name:
+        world.stopping.set()
+
+
+def _departed(world: World, name: str, torch_id: int) -> None:
+    """`name`'s process has left the world: its objects are lost, its pipe closed."""
+    assert world.members is not None
+    event = world.members.departed(name, torch_id)
+    if event is None:
+        return
+    _torch.close_pipe(_membership.torch_name(name, torch_id, world.members.size))
+    for hook in list(world.members.gone_hooks):
+        hook(torch_id)
+    world.members.announce(event)
 
 
 def leave(world: World, graceful: bool, timeout: float) -> None:
@@ -148,7 +175,7 @@ def leave(world: World, graceful: bool, timeout: float) -> None:
     assert world.store is not None and world.members is not None
     space = _membership.heal_space(world.store, world.tag)
     if graceful:
-        graceful = _membership.meet_to_end(space, world.context, timeout)
+        graceful = _records.meet_to_end(space, world.context, timeout)
     # Every main is done (or this one leaves at once): no replacement joins from
     # here, and the agent closes its listener as it stops.
     _torch.unwatch_listener()
@@ -160,9 +187,17 @@ def leave(world: World, graceful: bool, timeout: float) -> None:
     # the survivors saw the heal.
     members = world.members
     healed = bool(members.lost) or any(attempt > 0 for attempt in members.attempts.values())
-    if graceful and not healed:
+    if world.context.name in _records.read_state(space).get("left", ()):
+        world.stopping.set()  # removed (`remove_workers`): the others go on without it
+    leaving = world.stopping.is_set()
+    if graceful and not healed and not leaving:
+        # Not a leaving worker's: torch's release also waits for the forks of the
+        # objects it owns to be deleted, and those are lost with it.
         _torch.release_user_rrefs(timeout)
+    if graceful and leaving:  # the calls it runs finish, and deliver their results
+        _torch.finish_serving(timeout)
+    if graceful and (leaving or not healed):
         _torch.stop_serving(timeout)
-    if graceful:
-        _membership.meet_to_stop(space, len(world.context.names), timeout)
+    if graceful and not world.stopping.is_set():
+        _records.meet_to_stop(space, len(_records.live_names(space)), timeout)
     rpc.shutdown(graceful=False)

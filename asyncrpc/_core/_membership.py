@@ -36,40 +36,32 @@ or RRef to anyone. `Members` is the world's record of this;
 from __future__ import annotations
 
 import ctypes
-import json
 import threading
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from . import _torch
-from ._errors import ObjectLostError, RendezvousError, WorkerUnreachableError
+from . import _events, _torch
+from ._errors import ObjectLostError, WorkerLeftError, WorkerUnreachableError
 from ._torch import PrefixStore
 
 if TYPE_CHECKING:
-    from ._context import Context
     from ._torch import Store, WorkerInfo
 
 __all__ = [
     "HEAL_PREFIX",
+    "LEAVING",
+    "LEFT",
+    "Joined",
     "Joining",
+    "Left",
     "Members",
     "Replaced",
-    "begin_heal",
-    "end_heal",
     "gone_message",
     "heal_prefix",
     "heal_space",
-    "meet_to_end",
-    "meet_to_stop",
     "parse_gone",
-    "publish",
-    "read_members",
-    "read_names",
-    "read_state",
     "torch_name",
     "trim_heap",
-    "wait_for_all",
 ]
 
 HEAL_PREFIX = "heal/"  # under the world's key space: asyncrpc/<tag>/heal/
@@ -86,17 +78,9 @@ def heal_space(store: Store, tag: str) -> Store:
 
 
 _GONE = "member gone"
+LEAVING, LEFT = "member leaving", "member left"  # remove_workers: told, then gone
 _CALLBACK_JOIN_S = 5.0
-_POLL_S = 0.01
-_STOP_S = 30.0  # how long members wait for each other to stop, once every main is done
-# Keys, under asyncrpc/<tag>/heal/ in the world's store:
-#   names                    every member's name, in rank order (JSON)
-#   id/<name>, attempt/<name>, group/<name>   the process that answers for <name> now
-#   ready/<name>             <name> knows the members: it may be called (a start's barrier)
-#   state                    {"done": {name: attempt}, "healing": n, "ending": bool}:
-#                            whose main has returned, heals under way, the world ends
-#   <seq>/ack/<name>         <name> has forgotten the process of heal <seq>
-#   seq, restarts, ids       the supervisors' counters
+# The keys of the world's records in its store: see `_records`.
 
 
 class Joining(NamedTuple):
@@ -104,12 +88,16 @@ class Joining(NamedTuple):
 
     `torch_id`: its id in torch's group (its rank at first; fresh for a
     replacement). `tag`: the world's key space. `replacement`: it replaces a
-    dead worker (the others already run; it does not wait for them).
+    dead worker, or was added to the world (the others already run; it does
+    not wait for them).
     """
 
     torch_id: int
     tag: str
     replacement: bool
+    # The world's size as it formed: torch ids below it are first processes (0: this
+    # worker's world_size). An added member is a `replacement` of no one.
+    size: int = 0
 
 
 class Replaced(NamedTuple):
@@ -153,29 +141,64 @@ def trim_heap() -> None:
         pass
 
 
-def gone_message(name: str, torch_id: int, seq: int, why: str) -> str:
-    """The side-channel text telling a survivor that `name` (torch id) died."""
-    return f"{_GONE} {seq} {torch_id} {name} {why}"
+def gone_message(name: str, torch_id: int, seq: int, why: str, kind: str = _GONE) -> str:
+    """The side-channel text telling a survivor that `name` (torch id) died.
+
+    `kind` LEAVING: `name` is being removed (`why`: by whom); LEFT: it has left.
+    """
+    return f"{kind} {seq} {torch_id} {name} {why}"
 
 
-def parse_gone(text: str) -> tuple[int, int, str, str] | None:
-    """(seq, torch id, name, why) of a `gone_message`, or None for other texts."""
-    if not text.startswith(_GONE + " "):
-        return None
-    seq, torch_id, name, why = text[len(_GONE) + 1 :].split(" ", 3)
-    return int(seq), int(torch_id), name, why
+def parse_gone(text: str) -> tuple[str, int, int, str, str] | None:
+    """(kind, seq, torch id, name, why) of a `gone_message`, or None for other texts."""
+    for kind in (_GONE, LEAVING, LEFT):
+        if text.startswith(kind + " "):
+            seq, torch_id, name, why = text[len(kind) + 1 :].split(" ", 3)
+            return kind, int(seq), int(torch_id), name, why
+    return None
+
+
+class Joined(NamedTuple):
+    """A worker joined this elastic world (`asyncrpc.add_workers`): its `name` and `rank`."""
+
+    name: str
+    rank: int
+
+
+class Left(NamedTuple):
+    """A worker left this elastic world: its `name`, `rank` and `reason` ("removed by w0")."""
+
+    name: str
+    rank: int
+    reason: str
 
 
 class Members:
-    """This worker's view of a healing world's members: ids, attempts, who is being replaced."""
+    """This worker's view of a healing world's members: ids, attempts, who is being replaced.
 
-    def __init__(self, names: tuple[str, ...], ids: dict[str, int], attempt: dict[str, int]):
+    `names`: every member known here, in rank order, those that left
+    included (their calls fail with `WorkerLeftError`); `size`: the world's
+    size as it formed (torch ids below it are first processes, `torch_name`).
+    """
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        ids: dict[str, int],
+        attempt: dict[str, int],
+        size: int = 0,
+        ranks: dict[str, int] | None = None,
+    ):
         self.names = names
+        self.size = size or len(names)
+        self.ranks = dict(ranks) if ranks is not None else {n: r for r, n in enumerate(names)}
+        self.left: dict[str, str] = {}  # name -> who removed it (it may still be leaving)
         self.ids = dict(ids)  # name -> torch id of the process that answers now
         self.attempts = dict(attempt)  # name -> its attempt (0: the first process)
         self.replacing: dict[str, str] = {}  # name -> why it is being replaced
         self.lost: dict[int, str] = {}  # torch id of a dead process -> its name
         self.callbacks: list[Callable[[Replaced], object]] = []
+        self.events = _events.Events()  # `asyncrpc.on_members`: in the order learnt here
         # Run with a dead process's torch id once it is known dead (what this worker
         # serves for it: a stream's producer, say).
         self.gone_hooks: list[Callable[[int], None]] = []
@@ -190,7 +213,7 @@ class Members:
         found = self._infos.get(torch_id)
         if found is None:
             found = self._infos[torch_id] = _torch.worker_info(
-                torch_name(name, torch_id, len(self.names))
+                torch_name(name, torch_id, self.size)
             )
         return found
 
@@ -217,12 +240,26 @@ class Members:
         """
         with self.lock:
             for name, torch_id in self.ids.items():
-                if torch_id not in known:
+                if torch_id not in known and name not in self.left:
                     self.lost.setdefault(torch_id, name)
                     self.replacing.setdefault(name, "died")
 
+    def live(self) -> tuple[str, ...]:
+        """The members now, in rank order: those that left (or are leaving) are not."""
+        return tuple(name for name in self.names if name not in self.left)
+
     def check_call(self, name: str) -> None:
-        """Raise `WorkerUnreachableError` for a call to `name` while it is being replaced."""
+        """Raise `WorkerUnreachableError` for a call to `name` while it is being replaced.
+
+        `WorkerLeftError` once it was removed from the world.
+        """
+        left = self.left.get(name)
+        if left is not None:
+            raise WorkerLeftError(
+                f"worker {name!r} left the world ({left}); calls to it fail (nothing was "
+                f"sent, so nothing ran): call one of asyncrpc.members() instead",
+                name,
+            )
         why = self.replacing.get(name)
         if why is not None:
             raise WorkerUnreachableError(
@@ -235,6 +272,12 @@ class Members:
     def check_owner(self, owner_id: int, what: str) -> None:
         """Raise `ObjectLostError` when `what` lived in process `owner_id` (torch's id), dead."""
         name = self.lost.get(owner_id)
+        if name is not None and name in self.left:
+            raise ObjectLostError(
+                f"{what} lived on worker {name!r}, which left the world ({self.left[name]}): "
+                f"create the object again on one of asyncrpc.members()",
+                name,
+            )
         if name is not None:
             now = self.attempts.get(name, 0) + (name in self.replacing)
             raise ObjectLostError(
@@ -257,24 +300,58 @@ class Members:
             self.replacing.setdefault(name, why)
             return True
 
-    def joined(self, name: str, torch_id: int, attempt: int) -> Replaced | None:
+    def joined(
+        self, name: str, torch_id: int, attempt: int, rank: int = -1
+    ) -> Replaced | Joined | None:
         """Record `name`'s replacement (torch id, attempt); the event, or None if stale.
 
         Stale too: the welcome of a process already known dead (killed as it
-        welcomed the members, its news came first).
+        welcomed the members, its news came first). A name not known here
+        (`rank`: its rank) is a member added to the world: `Joined`.
         """
         with self.lock:
             if self.attempts.get(name, -1) >= attempt or torch_id in self.lost:
                 return None
+            if name not in self.ranks:
+                return self._add(name, torch_id, rank)
             old = self.ids.get(name)
             if old is not None and old != torch_id:
                 self.lost.setdefault(old, name)
             self.ids[name], self.attempts[name] = torch_id, attempt
             reason = self.replacing.pop(name, "")
-            return Replaced(name, self.names.index(name), attempt, reason)
+            return Replaced(name, self.ranks[name], attempt, reason)
 
-    def announce(self, event: Replaced) -> None:
-        """Run the `on_replaced` callbacks for `event` on a thread of their own."""
+    def _add(self, name: str, torch_id: int, rank: int) -> Joined:
+        self.ranks[name] = rank
+        self.names = tuple(sorted(self.ranks, key=self.ranks.__getitem__))
+        self.ids[name], self.attempts[name] = torch_id, 0
+        return Joined(name, rank)
+
+    def leaving(self, name: str, reason: str) -> bool:
+        """`name` is being removed (`reason`: by whom): calls to it fail from now on."""
+        with self.lock:
+            if name not in self.ranks or name in self.left:
+                return False
+            self.left[name] = reason
+            return True
+
+    def departed(self, name: str, torch_id: int) -> Left | None:
+        """`name`'s process (torch id) has left: its objects are lost; the event, once."""
+        with self.lock:
+            if name not in self.ranks or torch_id in self.lost:
+                return None
+            self.lost[torch_id] = name
+            self.left.setdefault(name, "it left")
+            return Left(name, self.ranks[name], self.left[name])
+
+    def announce(self, event: Replaced | Joined | Left) -> None:
+        """Run the `on_replaced` callbacks for `event` on a thread of their own.
+
+        Every event also goes to the `on_members` callbacks (`_events`).
+        """
+        self.events.put(event)
+        if not isinstance(event, Replaced):
+            return
         callbacks = list(self.callbacks)
         if not callbacks:
             return
@@ -288,6 +365,7 @@ class Members:
 
     def stop(self) -> None:
         """Wait (bounded) for callbacks still running; the world is ending."""
+        self.events.stop()
         with self.lock:
             threads, self._threads = self._threads, []
         for thread in threads:
@@ -303,152 +381,3 @@ def _run_callbacks(callbacks: list[Callable[[Replaced], object]], event: Replace
             callback(event)
         except Exception:  # one callback's failure must not stop the others
             traceback.print_exc()
-
-
-# ---- the store protocol: members' side ----------------------------------------------
-
-
-def publish(space: Store, ctx: Context, torch_id: int, group: str) -> None:
-    """Say who answers for `ctx.name` now: its torch id, attempt and group's key prefix."""
-    space.set(f"id/{ctx.name}", str(torch_id))
-    space.set(f"attempt/{ctx.name}", str(ctx.attempt))
-    space.set(f"group/{ctx.name}", group)
-    if ctx.attempt == 0:
-        space.set("names", json.dumps(list(ctx.names)))
-
-
-def wait_for_all(space: Store, names: tuple[str, ...], timeout: float, key: str = "id") -> None:
-    """Wait until every member has joined torch's group once (a world's start).
-
-    `key="ready"`: until every member knows the others (`mark_ready`), so that
-    no call reaches a member still starting. A member that dies before then
-    is not replaced in place: the world starts again (`formed`).
-    """
-    keys = [f"{key}/{name}" for name in names]
-    deadline = time.monotonic() + timeout
-    while not space.check(keys):
-        if time.monotonic() > deadline:
-            missing = [n for n, k in zip(names, keys, strict=True) if not space.check([k])]
-            raise RendezvousError(
-                f"workers {missing} did not join the world within init_timeout={timeout} s; "
-                f"they did not start (their own output says why)"
-            )
-        time.sleep(_POLL_S)
-
-
-def mark_ready(space: Store, name: str) -> None:
-    """`name` knows every member now: calls to it find its `Members` set."""
-    space.set(f"ready/{name}", "1")
-
-
-def formed(space: Store, names: tuple[str, ...]) -> bool:
-    """True once every member has been ready once: from then on `main`s may run."""
-    return bool(space.check([f"ready/{name}" for name in names]))
-
-
-def read_names(space: Store, timeout: float) -> tuple[str, ...]:
-    """Every member's name in rank order (a replacement learns them from the store)."""
-    _wait(space, ["names"], timeout)
-    return tuple(json.loads(space.get("names").decode()))
-
-
-def read_members(space: Store, names: tuple[str, ...]) -> Members:
-    """`Members` as the store has them now (ids and attempts of every name)."""
-    ids = [int(v) for v in space.multi_get([f"id/{n}" for n in names])]
-    attempts = [int(v) for v in space.multi_get([f"attempt/{n}" for n in names])]
-    return Members(
-        names, dict(zip(names, ids, strict=True)), dict(zip(names, attempts, strict=True))
-    )
-
-
-def meet_to_end(space: Store, ctx: Context, timeout: float = 0) -> bool:
-    """Mark `main` done here; wait until every member's is and the world is ending.
-
-    While a member is being replaced its replacement runs `main` again, and
-    the world waits for it. False when `timeout` (> 0) passed first.
-    """
-    deadline = time.monotonic() + timeout if timeout > 0 else None
-    _update(space, lambda state: state["done"].update({ctx.name: ctx.attempt}) or state)
-    names = set(ctx.names)
-
-    def end(state: dict[str, Any]) -> dict[str, Any] | None:
-        if state["ending"] or (names <= set(state["done"]) and state["healing"] == 0):
-            state["ending"] = True
-            return state
-        return None
-
-    while not _update(space, end)["ending"]:
-        if deadline is not None and time.monotonic() > deadline:
-            return False
-        time.sleep(_POLL_S)
-    return True
-
-
-def meet_to_stop(space: Store, count: int, timeout: float = 0) -> None:
-    """After `meet_to_end`: wait (bounded) until all `count` members are ready to stop."""
-    deadline = time.monotonic() + (timeout if timeout > 0 else _STOP_S)
-    space.add("stopping", 1)
-    while int(space.add("stopping", 0)) < count and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
-
-
-def _update(
-    space: Store, change: Callable[[dict[str, Any]], dict[str, Any] | None]
-) -> dict[str, Any]:
-    """Apply `change` to the world's state key atomically; the state after (None: unchanged).
-
-    One key holds who is done, how many heals run and whether the world is
-    ending, so that each of these moves checks the others in one step.
-    """
-    while True:
-        raw, state = _read(space)
-        changed = change(json.loads(json.dumps(state)))
-        if changed is None:
-            return state
-        text = json.dumps(changed, sort_keys=True)
-        if space.compare_set("state", raw, text).decode() == text:
-            return changed
-
-
-def _wait(space: Store, keys: list[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not space.check(keys):
-        if time.monotonic() > deadline:
-            raise RendezvousError(f"the world's store has no {keys} after {timeout} s")
-        time.sleep(_POLL_S)
-
-
-# ---- the store protocol: the supervisor's side ----------------------------------------
-
-
-def read_state(space: Store) -> dict[str, Any]:
-    """The world's state: `done` (name: attempt), `healing` (a count), `ending`."""
-    return _read(space)[1]
-
-
-def _read(space: Store) -> tuple[str, dict[str, Any]]:
-    raw = space.get("state").decode() if space.check(["state"]) else ""
-    return raw, (json.loads(raw) if raw else {"done": {}, "healing": 0, "ending": False})
-
-
-def begin_heal(space: Store, name: str) -> bool:
-    """Count a heal of `name` in (its `main` is not done any more); False once the world ends."""
-
-    def begin(state: dict[str, Any]) -> dict[str, Any] | None:
-        if state["ending"]:
-            return None
-        state["done"].pop(name, None)
-        state["healing"] += 1
-        return state
-
-    return not _update(space, begin)["ending"]
-
-
-def end_heal(space: Store) -> None:
-    """Count the heal out: its replacement has been started (or could not be)."""
-
-    def end(state: dict[str, Any]) -> dict[str, Any]:
-        state["healing"] -= 1
-        return state
-
-    _update(space, end)

@@ -35,6 +35,7 @@ from . import (
     _healing,
     _hooks,
     _membership,
+    _records,
     _registry,
     _rendezvous,
     _runtime,
@@ -84,6 +85,8 @@ class World:
     # Set once `members` is (or the start failed): the side channel's news and a
     # replacement's welcome that arrive while this member still starts wait for it.
     members_known: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # Set once this worker is being removed (`remove_workers`): `asyncrpc.stopping()`.
+    stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
     key_rank: int = -1  # this process's torch id: its calls' cancel keys (see _cancel)
     torch_name: str = ""  # the name torch's group knows this process by (see _membership)
     tag: str = ""  # the world's key space in the store: asyncrpc/<tag>/...
@@ -267,9 +270,7 @@ def start(
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
         tag = joining.tag if joining is not None else restarts
         if joining is not None and joining.replacement:
-            names = _membership.read_names(
-                _membership.heal_space(store, tag), settings.init_timeout
-            )
+            names = _records.read_names(_membership.heal_space(store, tag), settings.init_timeout)
         else:
             names = _rendezvous.agree(
                 store, rank, world_size, name, settings.init_timeout, tag, hosts=hosts_store
@@ -383,7 +384,8 @@ def _start_agent(world: World, master_addr: str, joining: Joining | None) -> Non
     _environ.bind_interface(world.changes, master_addr, ctx.world_size, settings.interface)
     _environ.set_intra_op_threads(world.changes, settings.intra_op_threads, ctx.world_size)
     world.key_rank = joining.torch_id if joining is not None else ctx.rank
-    world.torch_name = _membership.torch_name(ctx.name, world.key_rank, ctx.world_size)
+    size = (joining.size if joining is not None else 0) or ctx.world_size
+    world.torch_name = _membership.torch_name(ctx.name, world.key_rank, size)
     options = _torch.backend_options(
         settings.num_worker_threads,
         settings.rpc_timeout,
@@ -541,7 +543,7 @@ def side_queues() -> tuple[int, ...]:
     members = world.members
     if members is None:
         return tuple(range(world.context.world_size))
-    return tuple(members.ids[name] for name in world.context.names)
+    return tuple(members.ids[name] for name in members.names)
 
 
 def target(name: str) -> WorkerInfo:

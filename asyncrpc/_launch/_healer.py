@@ -24,7 +24,7 @@ import functools
 import time
 from collections.abc import Callable
 
-from .._core import _cancel, _membership, _torch
+from .._core import _cancel, _membership, _records, _torch
 from .._core._membership import Joining
 from .._core._torch import PrefixStore, Store
 
@@ -47,7 +47,8 @@ class Healer:
     ) -> None:
         self.root = store
         self.tag = tag
-        self.names = names
+        self.names = list(names)  # every rank's name: grows as workers are added (_changes)
+        self.size = len(names)  # as the world formed: torch ids below it are first processes
         self.max_restarts = max_restarts
         self.space = _membership.heal_space(store, tag)
         self.started_again = used  # restarts spent before this store, as the world formed
@@ -70,11 +71,11 @@ class Healer:
         Before, a death cannot be healed: the others wait in the world's start
         for the dead process itself. Nothing has run yet, so the world starts again.
         """
-        return _membership.formed(self.space, self.names)
+        return _records.formed(self.space, tuple(self.names[: self.size]))
 
     def ending(self) -> bool:
         """True once every member's `main` is done and the world ends (no more heals)."""
-        return bool(_membership.read_state(self.space)["ending"])
+        return bool(_records.read_state(self.space)["ending"])
 
     def replace(self, rank: int, why: str, alive: set[str]) -> Joining | None:
         """Forget worker `rank`'s dead process everywhere; how its replacement joins.
@@ -91,7 +92,7 @@ class Healer:
             self.count = int(self.space.add("restarts", 1))
             if self.count > self.max_restarts:
                 return None
-        if not _membership.begin_heal(self.space, name):
+        if not _records.begin_heal(self.space, name):
             return None
         try:
             self.space.set(f"spawned/{name}", _NONE_ALIVE)  # its process is dead (_is_dead)
@@ -101,15 +102,39 @@ class Healer:
             self._tell(text, alive - {name})
             self._wait_for_acks(seq, alive - {name})
             self._forget(name, old)
-            fresh = len(self.names) - 1 + int(self.space.add("ids", 1))
+            fresh = self.fresh_id()
             self.ids[name] = fresh
             self.space.set(f"spawned/{name}", str(fresh))  # the process that answers for it next
         except BaseException:
-            _membership.end_heal(self.space)
+            _records.end_heal(self.space)
             raise
         if not retry:
             self.attempts[name] += 1
-        return Joining(fresh, self.tag, replacement=True)
+        return Joining(fresh, self.tag, replacement=True, size=self.size)
+
+    def fresh_id(self) -> int:
+        """A torch id no process of this world had before (a replacement's, an added member's)."""
+        return self.size - 1 + int(self.space.add("ids", 1))
+
+    def add(self, name: str) -> Joining:
+        """Make `name` a member (a new rank): how its first process joins torch's group."""
+        fresh = self.fresh_id()
+        self.names.append(name)
+        self.attempts[name], self.ids[name] = 0, fresh
+        self.space.set(f"spawned/{name}", str(fresh))
+        return Joining(fresh, self.tag, replacement=True, size=self.size)
+
+    def tell(self, kind: str, name: str, why: str, names: set[str]) -> None:
+        """Tell `names` that `name` is leaving or has left (`kind`); wait for their acks."""
+        seq = int(self.space.add("seq", 1))
+        text = _membership.gone_message(name, self.ids[name], seq, " ".join(why.split()), kind)
+        self._tell(text, names)
+        self._wait_for_acks(seq, names)
+
+    def forget(self, name: str) -> None:
+        """Take `name`'s process off torch's list of the group's members (it has ended)."""
+        self.space.set(f"spawned/{name}", _NONE_ALIVE)
+        self._forget(name, self.ids[name])
 
     def stop(self, name: str) -> None:
         """The supervisor stopped `name`'s replacement before it joined: start it again."""
@@ -131,7 +156,7 @@ class Healer:
         # interpreter's first group, if any.
         key = f"group/{name}"
         prefix = self.space.get(key).decode() if self.space.check([key]) else "rpc_prefix_0"
-        dead = _membership.torch_name(name, old, len(self.names))
+        dead = _membership.torch_name(name, old, self.size)
         _torch.forget_member(PrefixStore(prefix, self.rpc), dead, old,
                              functools.partial(self._is_dead, old), _ACK_S)  # fmt: skip
 
@@ -177,7 +202,7 @@ class Healer:
         """
         return {
             name for name in self.names
-            if self.ids[name] >= len(self.names) and self._published(name) != self.ids[name]
+            if self.ids[name] >= self.size and self._published(name) != self.ids[name]
         }  # fmt: skip
 
     def _published(self, name: str) -> int | None:
@@ -186,7 +211,7 @@ class Healer:
 
     def started(self) -> None:
         """The replacement of the last `replace` has been started (or failed to start)."""
-        _membership.end_heal(self.space)
+        _records.end_heal(self.space)
 
     def _tell(self, text: str, names: set[str]) -> None:
         for name in sorted(names):

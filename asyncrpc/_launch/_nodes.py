@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from .._core import _membership, _rendezvous
+from .._core import _membership, _records, _rendezvous
 from .._core._errors import RendezvousError, describe_exit
 from .._core._membership import Joining
 from .._core._torch import PrefixStore, Store
@@ -199,7 +199,7 @@ class Node:
 
     def _world_ended(self) -> bool:
         """True once the world ends, or when it never formed (a script without asyncrpc.run)."""
-        return not self.heal.check(["names"]) or bool(_membership.read_state(self.heal)["ending"])
+        return not self.heal.check(["names"]) or bool(_records.read_state(self.heal)["ending"])
 
     def _describe(self, local: int) -> str:
         rank = self.first + local
@@ -211,17 +211,17 @@ class Node:
 
     def _names(self) -> tuple[str, ...] | None:
         if self.healer is not None:
-            return self.healer.names
+            return tuple(self.healer.names)
         if not self.heal.check(["names"]):
             return None
-        return _membership.read_names(self.heal, 1.0)
+        return _records.read_names(self.heal, 1.0)
 
     def _replace(self, local: int, code: int) -> str | None:
         """Replace the dead worker `local` in place; None when done, else the failure's line."""
         rank, how = self.first + local, describe_exit(code)
         who = f"{self._describe(local)} {how}"
         names = self._names()
-        if names is None or not _membership.formed(self.heal, names):
+        if names is None or not _records.formed(self.heal, names):
             # The others wait for it in the world's start: nothing ran yet, nothing to heal.
             return (f"{who} while the world was starting (before every worker was ready), "
                     f"which cannot replace it; start the run again")  # fmt: skip

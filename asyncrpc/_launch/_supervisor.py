@@ -27,21 +27,20 @@ import multiprocessing.connection
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any, NamedTuple
+from typing import Any
 
-from .._core import _context, _rendezvous, _torch
-from .._core._errors import WorkerFailedError, describe_exit
+from .._core import _context, _rendezvous
+from .._core._errors import WorkerFailedError
 from .._core._membership import Joining
-from . import _child, _forkserver, _healer
+from . import _child, _forkserver, _healer, _replacing
 from ._launched import launched, run_launched
 
 __all__ = ("run",)
 
 _GRACE_S = 3.0  # how long survivors get to exit on their own after a failure
-_KILLED_S = 5.0  # how long a SIGKILLed worker may take to be gone
 
 
 def run(
@@ -52,6 +51,8 @@ def run(
     roles: Mapping[str, int] | None = None,
     max_restarts: int = 0,
     restart: str | None = None,
+    elastic: bool = False,
+    max_world_size: int | None = None,
     **options: Any,
 ) -> None:
     """Run `main(ctx, *args)` on every worker of a world, then shut RPC down cleanly.
@@ -66,7 +67,10 @@ def run(
     replaced, under its name and rank, while the others keep running with
     their state (docs: "Healing in place"); `ctx.attempt` then counts that
     worker's own restarts. Under a launcher, the launcher restarts:
-    `asyncrpc-launch --max-restarts N [--restart worker]`. Options (`num_worker_threads`,
+    `asyncrpc-launch --max-restarts N [--restart worker]`. With `elastic=True`
+    (and in every world that heals) members may add and remove workers while
+    it runs (`asyncrpc.add_workers`, `asyncrpc.remove_workers`), up to
+    `max_world_size` at once (None: no bound). Options (`num_worker_threads`,
     `rpc_timeout`, ...): see `Settings`. Example::
 
         def main(ctx):
@@ -84,6 +88,7 @@ def run(
             "e.g. max_restarts=2 starts the world at most 3 times"
         )
     _check_restart(restart)
+    _check_elastic(elastic, max_world_size, restart, max_restarts)
     if restart == "worker" and max_restarts < 1 and not launched():
         raise ValueError(
             f"restart='worker' replaces dead workers at most max_restarts times, got "
@@ -99,8 +104,13 @@ def run(
             "asyncrpc.run needs world_size=N (or roles=...) to start a local world; "
             "under a launcher it takes the launcher's"
         )
-    if restart == "worker":
-        _run_healing(main, args, size, roles, settings, max_restarts)
+    if max_world_size is not None and size > max_world_size:
+        raise ValueError(
+            f"world_size={size} is above max_world_size={max_world_size}; raise "
+            f"max_world_size, or start fewer workers"
+        )
+    if restart == "worker" or elastic:
+        _run_healing(main, args, size, roles, settings, max_restarts, max_world_size)
         return
     for attempt in range(max_restarts + 1):
         # Survivors get a grace period to report their own failure, unless the
@@ -121,14 +131,6 @@ def run(
         )
 
 
-class _Unformed(Exception):
-    """A worker died before the healing world had formed: nothing ran, start it again."""
-
-    def __init__(self, failure: WorkerFailedError) -> None:
-        super().__init__(failure.summary())
-        self.failure = failure
-
-
 def _run_healing(
     main: Callable[..., object],
     args: tuple[Any, ...],
@@ -136,8 +138,11 @@ def _run_healing(
     roles: Mapping[str, int] | None,
     settings: _context.Settings,
     max_restarts: int,
+    max_world_size: int | None = None,
 ) -> None:
     """`restart="worker"`: one world healing in place, started again while it forms.
+
+    An elastic world that does not heal is one with no restarts to spend.
 
     A worker that dies before every member is ready (no `main` has run) cannot
     be replaced in place: the others wait for it in the world's start. The
@@ -146,9 +151,9 @@ def _run_healing(
     used = 0
     while True:
         try:
-            heal = (max_restarts, used)
+            heal = (max_restarts, used, max_world_size)
             failure = _run_embedded(main, args, size, roles, settings, 0, _GRACE_S, heal)
-        except _Unformed as unformed:
+        except _replacing.Unformed as unformed:
             failure, used = unformed.failure, used + 1
             if used > max_restarts:
                 failure.add_note(
@@ -169,25 +174,36 @@ def _run_healing(
         return
 
 
-def _spent(max_restarts: int, started_again: int) -> str:
-    """The note of a failure past `max_restarts` in a world that heals."""
-    if not started_again:
-        return (
-            f"the world replaced workers {max_restarts} times (max_restarts={max_restarts}); "
-            f"this failure ended it"
-        )
-    return (
-        f"the world was started again {started_again} times as it started and replaced "
-        f"workers {max_restarts - started_again} times (max_restarts={max_restarts}); "
-        f"this failure ended it"
-    )
-
-
 def _check_restart(restart: object) -> None:
     if restart not in (None, "world", "worker"):
         raise ValueError(
             f"restart must be 'world' (start every worker again, the default) or 'worker' "
             f"(replace only the worker that died, the others keep their state), got {restart!r}"
+        )
+
+
+def _check_elastic(
+    elastic: object, max_world_size: object, restart: str | None, max_restarts: int
+) -> None:
+    if not isinstance(elastic, bool):
+        raise TypeError(f"elastic must be True or False, got {elastic!r}")
+    if max_world_size is not None and (
+        not isinstance(max_world_size, int) or isinstance(max_world_size, bool)
+        or max_world_size < 1
+    ):  # fmt: skip
+        raise ValueError(
+            f"max_world_size must be a positive int or None (no bound), got {max_world_size!r}"
+        )
+    if max_world_size is not None and not elastic and restart != "worker":
+        raise ValueError(
+            "max_world_size bounds a world that grows: pass elastic=True (or "
+            "restart='worker') with it"
+        )
+    if elastic and restart != "worker" and max_restarts:
+        raise ValueError(
+            f"an elastic world restarts worker by worker, not as a whole: with "
+            f"max_restarts={max_restarts} pass restart='worker' too (a dead worker is then "
+            f"replaced in place), or drop max_restarts"
         )
 
 
@@ -221,19 +237,21 @@ def _run_embedded(
     settings: _context.Settings,
     attempt: int,
     grace: float,
-    heal: tuple[int, int] | None = None,
+    heal: tuple[int, int, int | None] | None = None,
 ) -> WorkerFailedError | None:
     """One world of local workers.
 
-    `heal`: (max_restarts, used): replace dead workers in place, at most
-    max_restarts times in all, `used` of them spent on earlier starts.
+    `heal`: (max_restarts, used, max_world_size): replace dead workers in
+    place, at most max_restarts times in all, `used` of them spent on earlier
+    starts; members may add workers (`_changes`), up to max_world_size.
     """
     host = "127.0.0.1"
     # Pickled here, loaded in the worker's own try: a worker that cannot load them
     # sends the reason back instead of dying in multiprocessing's start-up.
     payload = _child.pickled_main(main, args)
     store = _rendezvous.host_store(host, 0, settings.init_timeout)
-    names = _context.names_for(world_size, roles)
+    names = list(_context.names_for(world_size, roles))  # grows as workers are added
+    roles_now = dict(roles or {})
     spawner = _forkserver.spawner(settings.start_method)
     procs: list[BaseProcess] = []
     errors: list[multiprocessing.connection.Connection] = []
@@ -242,12 +260,14 @@ def _run_embedded(
     # too): then the read sees the end of the pipe, and the worker stops itself.
     alive, held = spawner.Pipe(duplex=False)
     environ = dict(os.environ)
-    healer = _healer.Healer(store, "0", names, *heal) if heal is not None else None
+    healer = _healer.Healer(store, "0", tuple(names), *heal[:2]) if heal is not None else None
+    if healer is not None:
+        names = healer.names
 
     def spawn(rank: int, attempt: int, joining: Joining | None) -> tuple[BaseProcess, Connection]:
         reader, writer = spawner.Pipe(duplex=False)
-        spec = (rank, world_size, names[rank], host, store.port, settings, roles, attempt,
-                environ, outputs, alive, joining)  # fmt: skip
+        spec = (rank, len(names), names[rank], host, store.port, settings, roles_now or None,
+                attempt, environ, outputs, alive, joining)  # fmt: skip
         proc = spawner.Process(
             target=_child.worker, args=(payload, spec, writer), name=names[rank]
         )
@@ -267,14 +287,17 @@ def _run_embedded(
         for rank in range(world_size):
             joining = Joining(rank, "0", replacement=False) if healer is not None else None
             errors.append(spawn(rank, attempt, joining)[1])
-        if healer is None:
+        if healer is None or heal is None:
             _child.close_outputs(outputs)  # every worker has its own copy by now
             alive.close()
             return _supervise(procs, errors, names, grace)
         current = procs[:]  # by rank; `procs` keeps every process started, to stop them
         # A process that ended is dead before this loop has handled its end.
-        healer.alive = lambda name: _runs(current[names.index(name)])
-        return _supervise(current, errors, names, grace, _Healing(healer, spawn, {}, {}, retire))
+        healer.alive = lambda name: _replacing.runs(current[names.index(name)])
+        healing = _replacing.Healing(healer, spawn, {}, {}, retire, [], {})
+        changes = _replacing.changes_for(healing, heal[2], roles_now, current, errors)
+        healing.changes.append(changes)
+        return _supervise(current, errors, names, grace, healing)
     except BaseException:
         _stop(procs)
         raise
@@ -286,33 +309,18 @@ def _run_embedded(
 
 
 _WAKE_S = 0.25  # how often the supervisor's wait returns, to take a Ctrl-C
-# A replacement whose join a member refused starts again after this: time for that
-# member to see its listener closed and end (`_core/_torch/_listener`), up to
-# _REFUSED_MAX times in a row uncounted (then counted: a member refusing for good).
-_REFUSED_S = 0.25
-_REFUSED_MAX = 40
-
-
-class _Healing(NamedTuple):
-    """What a supervisor that heals needs: the healer, how to start a worker, what waits."""
-
-    healer: _healer.Healer
-    spawn: Callable[[int, int, Joining | None], tuple[BaseProcess, Connection]]
-    # Replacements to start later, by rank: (when, how it joins); their refusals in a row.
-    later: dict[int, tuple[float, Joining]]
-    refusals: dict[int, int]
-    # Let go of a process that ended and was replaced (its descriptors: 2 a process).
-    retire: Callable[[BaseProcess], None]
 
 
 def _supervise(
     procs: list[BaseProcess],
     errors: list[multiprocessing.connection.Connection],
-    names: tuple[str, ...],
+    names: Sequence[str],
     grace: float,
-    healing: _Healing | None = None,
+    healing: _replacing.Healing | None = None,
 ) -> WorkerFailedError | None:
-    running: dict[object, int] = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+    running: dict[object, int] = healing.running if healing is not None else {}
+    running.update({proc.sentinel: rank for rank, proc in enumerate(procs)})
+    changes = healing.changes[0] if healing is not None and healing.changes else None
     failures: list[WorkerFailedError] = []
     deadline = None
     while running or (healing is not None and healing.later and not failures):
@@ -324,17 +332,22 @@ def _supervise(
         exited = sorted((running.pop(s) for s in ready), key=lambda r: _signal_first(procs[r]))
         for rank in exited:
             procs[rank].join()
+            failure = _failure(rank, names[rank], procs[rank], errors[rank])
+            if changes is not None and not failures and _replacing.changed(changes, rank, failure):
+                healing.retire(procs[rank])  # type: ignore[union-attr]  # changes: healing
+                continue
             if procs[rank].exitcode == 0 and (healing is None or healing.healer.ending()):
                 continue
-            failure = _failure(rank, names[rank], procs[rank], errors[rank])
             if healing is not None and not failures:
-                if _heal(healing, rank, failure, procs, errors, running):
+                if _replacing.heal(healing, rank, failure, procs, errors, running):
                     continue
             failures.append(failure)
             if healing is not None:
                 healing.later.clear()  # the world fails: nothing more starts
         if healing is not None and not failures:
-            _start_due(healing, procs, errors, running)
+            _replacing.start_due(healing, procs, errors, running)
+        if changes is not None and not failures:
+            _replacing.serve(changes, procs)
         if failures and deadline is None:
             deadline = time.monotonic() + grace
         if deadline is not None and time.monotonic() >= deadline and running:
@@ -343,149 +356,14 @@ def _supervise(
     return _report(failures)
 
 
-def _wake_after(deadline: float | None, healing: _Healing | None) -> float:
+def _wake_after(deadline: float | None, healing: _replacing.Healing | None) -> float:
     """How long the supervisor's wait may last: until the grace ends or a start is due."""
     now = time.monotonic()
     wake = [now + _WAKE_S] + ([deadline] if deadline is not None else [])
+    if healing is not None and healing.changes:
+        wake.append(now + healing.changes[0].timeout())
     wake += [when for when, _ in healing.later.values()] if healing is not None else []
     return min(wake) - now
-
-
-def _start_due(
-    healing: _Healing,
-    procs: list[BaseProcess],
-    errors: list[multiprocessing.connection.Connection],
-    running: dict[object, int],
-) -> None:
-    """Start the replacements held back (`_REFUSED_S`) whose time has come."""
-    now = time.monotonic()
-    for rank, (when, joining) in sorted(healing.later.items()):
-        if when <= now:
-            del healing.later[rank]
-            _start(healing, rank, joining, procs, errors, running)
-
-
-def _start(
-    healing: _Healing,
-    rank: int,
-    joining: Joining,
-    procs: list[BaseProcess],
-    errors: list[multiprocessing.connection.Connection],
-    running: dict[object, int],
-) -> None:
-    """Start worker `rank`'s replacement and watch it."""
-    name = healing.healer.names[rank]
-    procs[rank], errors[rank] = healing.spawn(rank, healing.healer.attempts[name], joining)
-    running[procs[rank].sentinel] = rank
-
-
-def _heal(
-    healing: _Healing,
-    rank: int,
-    failure: WorkerFailedError,
-    procs: list[BaseProcess],
-    errors: list[multiprocessing.connection.Connection],
-    running: dict[object, int],
-) -> bool:
-    """Replace worker `rank` in place; False when the world may not heal any more."""
-    healer = healing.healer
-    if not healer.formed():
-        raise _Unformed(failure)  # _run_embedded stops every worker; run starts them again
-    name = healer.names[rank]
-    retry = name in healer.retry  # before `_refused` marks it: its death stops other joiners
-    refused = _refused(healing, rank, failure)
-    unjoined = healer.joining() - {name}  # they have nothing to forget
-    if not retry:  # one stopped as it joined held torch's join token: no joiner saw it
-        _stop_joining(healer, unjoined, procs, running)
-    alive = {healer.names[r] for r in running.values() if procs[r].is_alive()} - unjoined
-    # What the survivors' errors say: "worker 'worker2' <how> and is being replaced".
-    if failure.remote_traceback:
-        how = failure.summary().split(f"(rank {rank}) ", 1)[-1]
-    else:
-        how = describe_exit(failure.exitcode)
-    joining = healer.replace(rank, how, alive)
-    if joining is None:
-        if healer.count > healer.max_restarts:
-            failure.add_note(_spent(healer.max_restarts, healer.started_again))
-        return False
-    try:
-        if failure.remote_traceback and not refused:
-            print(failure.remote_traceback.rstrip(), file=sys.stderr, flush=True)
-        print(f"asyncrpc: {_heal_line(healer, rank, failure, retry, refused)}",
-              file=sys.stderr, flush=True)  # fmt: skip
-        healing.retire(procs[rank])
-        if refused:
-            healing.later[rank] = (time.monotonic() + _REFUSED_S, joining)
-        else:
-            _start(healing, rank, joining, procs, errors, running)
-    finally:
-        healer.started()
-    return True
-
-
-def _refused(healing: _Healing, rank: int, failure: WorkerFailedError) -> bool:
-    """A replacement whose join a member refused: started again later, not counted.
-
-    That member's listener is closed, and it ends soon to be replaced
-    (`_core/_torch/_listener`); a join before then is refused again.
-    """
-    healer = healing.healer
-    name = healer.names[rank]
-    joined = name not in healer.joining()
-    if joined or not _torch.refused(failure.remote_traceback or ""):
-        healing.refusals.pop(rank, None)
-        return False
-    healing.refusals[rank] = healing.refusals.get(rank, 0) + 1
-    if healing.refusals[rank] > _REFUSED_MAX:
-        return False
-    healer.retry.add(name)  # neither counted nor an attempt of its own
-    return True
-
-
-def _heal_line(
-    healer: _healer.Healer, rank: int, failure: WorkerFailedError, retry: bool, refused: bool
-) -> str:
-    name = healer.names[rank]
-    if refused:
-        return (
-            f"the replacement of worker {name!r} (rank {rank}) could not join: another "
-            f"member refused its connection (its listener closed; it ends and is replaced "
-            f"too); starting it again in {_REFUSED_S:g} s"
-        )
-    if retry:
-        return (
-            f"the replacement of worker {name!r} (rank {rank}) was stopped before it "
-            f"joined, as another worker died meanwhile; starting it again"
-        )
-    return (
-        f"{failure.summary()}; replacing it in place "
-        f"(restart {healer.count} of {healer.max_restarts})"
-    )
-
-
-def _stop_joining(
-    healer: _healer.Healer, joining: set[str], procs: list[BaseProcess], running: dict[object, int]
-) -> None:
-    """Kill the workers still `joining` (they may wait for the dead one forever), then forget them.
-
-    All killed first: one still joining may hold torch's group token, which the
-    forgetting of another would wait for. Their deaths come back through `running`.
-    """
-    stopped = [other for other in running.values() if healer.names[other] in joining]
-    for other in stopped:
-        healer.stop(healer.names[other])
-        procs[other].kill()
-        procs[other].join(_KILLED_S)  # dead before its name is forgotten
-    for other in stopped:
-        healer.forget_stopped(healer.names[other])
-
-
-def _runs(proc: BaseProcess) -> bool:
-    """Whether `proc` still runs; False once retired (closed), its replacement not started yet."""
-    try:
-        return proc.is_alive()
-    except ValueError:  # closed
-        return False
 
 
 def _signal_first(proc: BaseProcess) -> int:

@@ -231,6 +231,22 @@ def release_user_rrefs(timeout: float) -> None:
         pass
 
 
+def finish_serving(timeout: float) -> None:
+    """Wait (up to `timeout` s, else `_STOP_SERVING_S`) until no call runs here for a peer.
+
+    torch's join waits only for this agent's own calls; it then stops replying,
+    so a leaving worker waits for the calls it serves first (torch's metrics count them).
+    """
+    deadline = time.monotonic() + (timeout or _STOP_SERVING_S)
+    while time.monotonic() < deadline:
+        metrics = current_agent().get_metrics()
+        active = int(metrics.get("agent.server_active_calls", 0))
+        active += int(metrics.get("agent.server_active_async_calls", 0))
+        if not active:
+            return
+        time.sleep(0.01)
+
+
 def stop_serving(timeout: float) -> None:
     """Finish the calls this agent runs and mark it shutting down (torch's join, no barrier).
 

@@ -1,0 +1,226 @@
+"""Worlds that grow and shrink while they run (`elastic=True`), for tests/test_elastic.py.
+
+    ELASTIC_DIR=<dir> python tests/programs/elastic_world.py SCENARIO
+
+SCENARIO:
+  basic    adds and removes with mixed traffic (handles, RRefs, streams, Batch, relays):
+           names, ranks, contexts, events, errors, a busy worker's call finishing
+  failjoin an added worker that dies as it starts: named error, nothing left behind
+  timeout  an added worker slower than add_workers' timeout: JoinTimeoutError, none left
+  stuck    a removed worker whose main never returns: stopped at the timeout, its
+           running call fails with WorkerLeftError
+  heal     elastic and healing: an added worker killed is replaced under its name
+  fixed    a world that does not grow: the verbs say so
+
+worker0 drives each world and prints one JSON object a line (`emit`).
+Workers obey files in ELASTIC_DIR: `die-<name>` (exit 5 as it starts),
+`slow-<name>` (start 30 s late), and write `pid-<name>` as they start.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pathlib
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+import asyncrpc
+
+DIR = pathlib.Path(os.environ.get("ELASTIC_DIR", "."))
+EVENTS: list[list[Any]] = []
+
+
+def _at_start() -> None:
+    """A worker imports this script before it joins: obey the files that name it."""
+    name = multiprocessing.current_process().name
+    if name == "MainProcess":
+        return
+    (DIR / f"pid-{name}").write_text(str(os.getpid()))
+    if (DIR / f"die-{name}").exists():
+        os._exit(5)
+    if (DIR / f"slow-{name}").exists():
+        time.sleep(30)
+
+
+_at_start()
+
+
+def emit(check: str, **values: Any) -> None:
+    print(json.dumps({"check": check, **values}), flush=True)
+
+
+class Actor:
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self, x: int) -> int:
+        self.steps += 1
+        return x + 1
+
+
+def whoami() -> list[Any]:
+    ctx = asyncrpc.current_context()
+    return [ctx.name, ctx.rank, ctx.world_size, list(ctx.names), ctx.role, os.getpid()]
+
+
+def seen_members() -> list[str]:
+    return list(asyncrpc.members())
+
+
+def seen_events() -> list[list[Any]]:
+    return EVENTS
+
+
+def relay(to: str) -> list[Any]:
+    return asyncrpc.rpc_sync(to, whoami)
+
+
+def slow(seconds: float) -> str:
+    time.sleep(seconds)
+    return "done"
+
+
+def count(n: int) -> Any:
+    yield from range(n)
+
+
+def remove_self() -> None:
+    asyncrpc.remove_workers(asyncrpc.current_context().name)
+
+
+def _error(fn: Any) -> list[str]:
+    try:
+        fn()
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+    return ["none", ""]
+
+
+def _record(event: Any) -> None:
+    EVENTS.append([type(event).__name__, *event])
+
+
+def _wait_for(check: Any, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError("a wait of the program timed out")
+        time.sleep(0.02)
+
+
+def basic(ctx: asyncrpc.Context) -> None:
+    before = list(asyncrpc.members())
+    started = time.perf_counter()
+    added = asyncrpc.add_workers(2)
+    took = time.perf_counter() - started
+    emit("add", before=before, added=list(added), took=took, after=list(asyncrpc.members()),
+         peer=asyncrpc.rpc_sync("worker1", seen_members),
+         contexts=[asyncrpc.rpc_sync(n, whoami) for n in added],
+         relay=asyncrpc.rpc_sync("worker1", relay, args=("worker3",)))  # fmt: skip
+    # Traffic of every kind to the new members.
+    handle = asyncrpc.spawn("worker2", Actor)
+    rref = asyncrpc.remote("worker2", torch.ones, args=((3,),))
+    with asyncrpc.Batch() as batch:
+        futs = [batch.rpc_async(n, torch.add, args=(torch.ones(2), 1)) for n in added]
+    emit("traffic", step=handle.call("step", 1), rref=rref.to_here().tolist(),
+         stream=list(asyncrpc.stream("worker3", count, args=(5,))),
+         batch=[f.wait().tolist() for f in futs])  # fmt: skip
+    started = time.perf_counter()
+    asyncrpc.remove_workers("worker2")
+    took = time.perf_counter() - started
+    emit("remove", took=took, after=list(asyncrpc.members()),
+         peer=asyncrpc.rpc_sync("worker1", seen_members),
+         call=_error(lambda: asyncrpc.rpc_sync("worker2", whoami)),
+         handle=_error(lambda: handle.call("step", 1)),
+         rref=_error(lambda: rref.to_here()),
+         nested=_error(lambda: asyncrpc.rpc_sync("worker1", relay, args=("worker2",))),
+         again=_error(lambda: asyncrpc.remove_workers("worker2")))  # fmt: skip
+    busy = asyncrpc.rpc_async("worker3", slow, args=(1.5,))
+    time.sleep(0.3)  # it runs there
+    asyncrpc.remove_workers("worker3")
+    emit("busy", result=busy.wait(), after=list(asyncrpc.members()))
+    actors = asyncrpc.add_workers(1, role="actor")
+    emit("role", added=list(actors), context=asyncrpc.rpc_sync(actors[0], whoami),
+         full=_error(lambda: asyncrpc.add_workers(2)),
+         bad=_error(lambda: asyncrpc.add_workers(0)),
+         unknown=_error(lambda: asyncrpc.remove_workers("nobody")))  # fmt: skip
+    asyncrpc.rpc_sync(actors[0], remove_self)  # it removes itself: returns at once
+    _wait_for(lambda: any(e[0] == "Left" and e[1] == actors[0] for e in EVENTS))
+    emit("events", mine=EVENTS, peer=asyncrpc.rpc_sync("worker1", seen_events),
+         after=list(asyncrpc.members()))  # fmt: skip
+
+
+def failjoin(ctx: asyncrpc.Context) -> None:
+    (DIR / "die-worker2").write_text("")
+    error = _error(lambda: asyncrpc.add_workers(1))
+    after = list(asyncrpc.members())
+    added = asyncrpc.add_workers(1)
+    emit("failjoin", error=error, after=after, added=list(added),
+         answer=asyncrpc.rpc_sync(added[0], whoami)[0])  # fmt: skip
+
+
+def timeout(ctx: asyncrpc.Context) -> None:
+    (DIR / "slow-worker2").write_text("")
+    started = time.perf_counter()
+    error = _error(lambda: asyncrpc.add_workers(1, timeout=2))
+    took = time.perf_counter() - started
+    pid = int((DIR / "pid-worker2").read_text())
+    time.sleep(0.5)
+    emit("timeout", error=error, took=took, after=list(asyncrpc.members()),
+         alive=os.path.exists(f"/proc/{pid}"))  # fmt: skip
+
+
+def stuck(ctx: asyncrpc.Context) -> None:
+    added = asyncrpc.add_workers(1)
+    busy = asyncrpc.rpc_async(added[0], slow, args=(20,))
+    time.sleep(0.3)
+    started = time.perf_counter()
+    asyncrpc.remove_workers(added[0], timeout=1)
+    took = time.perf_counter() - started
+    emit("stuck", took=took, call=_error(busy.wait), after=list(asyncrpc.members()))
+
+
+def heal(ctx: asyncrpc.Context) -> None:
+    added = asyncrpc.add_workers(1)
+    pid = asyncrpc.rpc_sync(added[0], whoami)[5]
+    os.kill(pid, signal.SIGKILL)
+    _wait_for(lambda: any(e[0] == "Replaced" for e in EVENTS))
+    emit("heal", events=EVENTS, answer=asyncrpc.rpc_sync(added[0], whoami),
+         after=list(asyncrpc.members()))  # fmt: skip
+
+
+def fixed(ctx: asyncrpc.Context) -> None:
+    emit("fixed", members=list(asyncrpc.members()),
+         add=_error(lambda: asyncrpc.add_workers(1)),
+         remove=_error(lambda: asyncrpc.remove_workers("worker1")),
+         watch=_error(lambda: asyncrpc.on_members(print)))  # fmt: skip
+
+
+SCENARIOS = {f.__name__: f for f in (basic, failjoin, timeout, stuck, heal, fixed)}
+
+
+def main(ctx: asyncrpc.Context, scenario: str) -> None:
+    if scenario != "fixed":
+        asyncrpc.on_members(_record)
+    if ctx.name == "worker0":
+        SCENARIOS[scenario](ctx)
+        return
+    if ctx.role == "actor" or (scenario == "stuck" and ctx.rank >= 2):
+        while scenario == "stuck" or not asyncrpc.stopping():
+            time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    which = sys.argv[1]
+    options: dict[str, Any] = {"elastic": which != "fixed", "max_world_size": 4}
+    if which == "heal":
+        options.update(restart="worker", max_restarts=2)
+    if which == "fixed":
+        options = {}
+    asyncrpc.run(main, world_size=2, args=(which,), **options)
