@@ -80,8 +80,10 @@ def on_members(
     `event` is an `asyncrpc.Joined(name, rank)`, `asyncrpc.Left(name, rank,
     reason)` or `asyncrpc.Replaced(name, rank, attempt, reason)`. Callbacks
     run on one thread of their own (`asyncrpc-on-members`), one event after
-    the other in the order this worker learnt them; a callback may call the
-    world. Returns a function that unregisters the callback.
+    the other in the order this worker learnt them (changes made one after
+    another arrive in that order on every worker; the workers of one
+    `add_workers` call join in any order); a callback may call the world.
+    Returns a function that unregisters the callback.
 
     Example::
 

@@ -120,7 +120,8 @@ def _welcome(name: str, torch_id: int, attempt: int, rank: int = -1) -> None:
     event = world.members.joined(name, torch_id, attempt, rank)
     if event is not None:
         world.members.announce(event)
-        _membership.trim_heap()
+        if isinstance(event, _membership.Replaced):  # a heal freed what the dead held
+            _membership.trim_heap()
 
 
 def news(text: str) -> None:
