@@ -183,3 +183,14 @@ def test_random_adds_removes_kills_and_calls_keep_the_model() -> None:
     done = run_program("python", str(PROGRAMS / "elastic_model.py"), "4", "10", timeout=110)
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-3000:]}"
     assert "every example kept the model" in done.stdout, done.stdout[-3000:]
+
+
+def test_a_dump_lists_the_members_now_with_joins_and_leaves() -> None:
+    dump = _run("dump")[1]["dump"]
+    assert dump["code"] == 0, dump["err"][-2000:]
+    workers = {w["name"]: w for w in dump["dump"]["workers"]}
+    assert sorted(workers) == ["worker0", "worker1", "worker3"]
+    assert workers["worker3"]["rank"] == 3 and workers["worker3"]["joined_at"] > 0
+    assert "joined_at" not in workers["worker0"]
+    (left,) = dump["dump"]["left"]
+    assert left["name"] == "worker2" and left["rank"] == 2 and left["why"] == "removed by worker0"

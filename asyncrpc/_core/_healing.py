@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import torch.distributed.rpc as rpc
@@ -56,7 +57,7 @@ def join(world: World, joining: Joining) -> None:
     if joining.replacement:
         _welcome_all(world, settings.rpc_timeout)
         # Every member knows this one now: `add_workers` returns (see `_elastic`).
-        space.set(f"joined/{ctx.name}", "1")
+        space.set(f"joined/{ctx.name}", str(time.time()))
     else:  # no member's main calls one that does not know the members yet
         _records.wait_for_all(space, ctx.names, settings.init_timeout, key="ready")
 

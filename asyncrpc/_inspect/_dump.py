@@ -5,11 +5,14 @@
 Works while every RPC thread of every worker is blocked: each worker's
 watcher thread answers through the world's store (see `_core._side`).
 Text, per worker: name, rank, pid (and "attempt N" for a worker replaced
-N times in a world that heals); each call it runs (function, calling worker,
+N times in a world that heals, "joined HH:MM:SS" for one added while the
+world ran); each call it runs (function, calling worker,
 age) with its Python stack; the calls it has in flight; then one `cycle:`
 line per cycle of waits that never ends by itself, and one `waiting:` line
-per cycle that ends when a busy RPC thread in it is free (see `_core._waits`).
-`--json` prints the same as ``{"world", "workers": [{"name", "attempt", "pid",
+per cycle that ends when a busy RPC thread in it is free (see `_core._waits`),
+and a `left:` line per worker removed from an elastic world (when, by whom).
+`--json` prints the same as ``{"world", "left": [{"name", "rank", "at", "why"}],
+"workers": [{"name", "attempt", "joined_at" (added ones), "pid",
 "threads": [{"call", "caller", "age_s", "stack"}], "in_flight": [{"to",
 "call", "age_s"}]}], "cycles": [[worker names in order]], "waits": [{"workers":
 [worker names in order], "ends_with": ["worker call()"]}]}``.
@@ -19,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import Any
 
 from .._core import _waits
-from ._worlds import ask_world, attempt_note, pick_world, run_command
+from ._worlds import ask_world, attempt_note, departures, joined_note, pick_world, run_command
 
 __all__ = ("dump", "main")
 
@@ -36,6 +40,7 @@ def dump(address: str, entry: dict[str, Any]) -> dict[str, Any]:
     return {
         "world": address,
         "workers": workers,
+        "left": departures(address, entry),
         "cycles": [[worker for worker, _ in cycle] for cycle in cycles],
         "waits": [
             {"workers": [w for w, _ in steps], "ends_with": [f"{w} {c}" for w, c in frees]}
@@ -51,12 +56,15 @@ def render(result: dict[str, Any]) -> str:
     lines = [f"world {result['world']}: {len(result['workers'])} workers"]
     for worker in result["workers"]:
         lines += _render_worker(worker)
+    for gone in result.get("left", []):
+        at = time.strftime("%H:%M:%S", time.localtime(gone["at"]))
+        lines.append(f"left: {gone['name']} (rank {gone['rank']}) at {at}, {gone['why']}")
     lines += result["cycle_lines"] or ["no cycle of waits"]
     return "\n".join(lines)
 
 
 def _render_worker(worker: dict[str, Any]) -> list[str]:
-    who = f"{worker['name']} (rank {worker['rank']}{attempt_note(worker)}"
+    who = f"{worker['name']} (rank {worker['rank']}{attempt_note(worker)}{joined_note(worker)}"
     if "error" in worker:
         pid = "" if worker.get("pid") is None else f", pid {worker['pid']}"
         return [f"{who}{pid}): {worker['error']}"]

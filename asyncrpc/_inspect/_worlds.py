@@ -21,10 +21,12 @@ On a machine without /proc, or for a store on another machine, the pid is unknow
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -120,14 +122,14 @@ def try_ask_world(
             f"cannot reach the world's store at {address} ({first}); it may have just ended",
             silent=False,
         )
-    return _workers(address, entry, job.answers, timeout, blank)
+    return _workers(address, job.answers, timeout, blank)
 
 
 class _Job:
     """One asking of the store, on a daemon thread (one stuck in torch's client ends with us)."""
 
     def __init__(self, ask: Any) -> None:
-        self.answers: dict[int, dict[str, Any] | None] | None = None
+        self.answers: dict[int, tuple[str, dict[str, Any] | None, float | None]] | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(ask,), daemon=True,
                                        name="asyncrpc-ask-world")  # fmt: skip
@@ -159,51 +161,87 @@ _stuck: dict[str, _Job] = {}  # address -> the asking still waiting on its store
 
 def _ask_store(
     address: str, entry: dict[str, Any], kind: str, timeout: float
-) -> dict[int, dict[str, Any] | None]:
+) -> dict[int, tuple[str, dict[str, Any] | None, float | None]]:
     host, _, port = address.rpartition(":")
     # Nothing listening is said at once (torch's client would retry until its timeout).
     socket.create_connection((host.strip("[]"), int(port)), timeout=min(2.0, timeout)).close()
     store = _side.connect(address, entry["prefix"], timeout=min(2.0, timeout))
-    queues = _queues(address, entry, timeout)
-    answers = _side.ask(store, [queue for queue, _ in queues], kind, timeout)
-    return {rank: answers[queue] for rank, (queue, _) in enumerate(queues)}
+    members = _members(address, entry, timeout)
+    answers = _side.ask(store, [queue for _, _, queue, _ in members], kind, timeout)
+    return {rank: (name, answers[queue], joined) for rank, name, queue, joined in members}
 
 
-def _queues(address: str, entry: dict[str, Any], timeout: float) -> list[tuple[int, int]]:
-    """(side-channel queue, attempt) of the process answering for each rank now.
+def _members(
+    address: str, entry: dict[str, Any], timeout: float
+) -> list[tuple[int, str, int, float | None]]:
+    """(rank, name, side-channel queue, when it joined) of each member now.
 
-    The queue is the rank, but in a world that heals: there a replacement's
-    is its torch id, which the world's store keeps per name with its attempt
-    (`_membership`); a name not recorded there yet is asked at its rank.
+    The queue is the rank, but in a world that heals or grows: there a
+    replacement's is its torch id, which the world's store keeps per name
+    (`_records`); a name not recorded there yet is asked at its rank. The
+    store also has the members added since the world started (with the time
+    each joined) and those that left, which are not members.
     """
-    names = entry["names"]
-    found = [(rank, 0) for rank in range(len(names))]
+    found: list[tuple[int, str, int, float | None]] = []
     if not entry.get("heal"):
-        return found
+        return [(rank, name, rank, None) for rank, name in enumerate(entry["names"])]
     space = _side.connect(address, entry["heal"], timeout=min(2.0, timeout))
+    names, left = entry["names"], set()
+    if space.check(["names", "state"]):
+        names = json.loads(space.get("names"))
+        left = set(json.loads(space.get("state")).get("left", ()))
     for rank, name in enumerate(names):
-        keys = [f"id/{name}", f"attempt/{name}"]
-        if space.check(keys):
-            queue, attempt = space.multi_get(keys)
-            found[rank] = (int(queue), int(attempt))
+        if name in left:
+            continue
+        queue, joined = rank, None
+        if space.check([f"id/{name}"]):
+            queue = int(space.get(f"id/{name}"))
+        if space.check([f"joined/{name}"]) and rank >= len(entry["names"]):
+            joined = float(space.get(f"joined/{name}"))
+        found.append((rank, name, queue, joined))
     return found
 
 
+def departures(address: str, entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """The workers that left the world (`remove_workers`): name, rank, when and why."""
+    if not entry.get("heal"):
+        return []
+    try:
+        with quiet_stderr():
+            space = _side.connect(address, entry["heal"], timeout=1.0)
+            names = json.loads(space.get("names")) if space.check(["names"]) else []
+            gone = []
+            for rank, name in enumerate(names):
+                if space.check([f"left/{name}"]):
+                    record = json.loads(space.get(f"left/{name}"))
+                    gone.append({"name": name, "rank": rank, **record})
+            return gone
+    except Exception:  # the world just ended: nothing to add
+        return []
+
+
 def _workers(
-    address: str, entry: dict[str, Any], answers: dict[int, dict[str, Any] | None],
+    address: str, answers: dict[int, tuple[str, dict[str, Any] | None, float | None]],
     timeout: float, blank: dict[str, Any] | None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     known = {e["rank"]: e for e in _registry.worlds().get(address, [])}
     workers = []
-    for rank, name in enumerate(entry["names"]):
-        answer = answers.get(rank)
+    for rank, (name, answer, joined) in answers.items():
         if answer is None:
             here = known.get(rank, {})
             answer = {"name": name, "rank": rank, "attempt": here.get("attempt", 0),
                       "pid": here.get("pid"), "host": here.get("host"), **(blank or {}),
                       "error": _silent_worker(here.get("pid"), timeout)}  # fmt: skip
+        if joined is not None:
+            answer = {**answer, "joined_at": joined}
         workers.append(answer)
     return workers
+
+
+def joined_note(worker: dict[str, Any]) -> str:
+    """ ", joined 14:02:07" for a worker added while the world ran; "" for the others."""
+    joined = worker.get("joined_at")
+    return f", joined {time.strftime('%H:%M:%S', time.localtime(joined))}" if joined else ""
 
 
 def attempt_note(worker: dict[str, Any]) -> str:

@@ -61,7 +61,8 @@ class Changes:
         self.start = start
         self.alive = alive
         self.handled = 0  # requests served, in the order their ids were taken
-        self.removing: dict[str, float] = {}  # name -> when it is killed if still running
+        # name -> (when it is killed if still running, who removed it)
+        self.removing: dict[str, tuple[float, str]] = {}
         self.adding: set[str] = set()  # added, not known to have joined yet
         self.space.set("elastic", json.dumps({"max_world_size": max_world_size}))
 
@@ -134,10 +135,9 @@ class Changes:
                 "kind": "unknown",
                 "error": f"{gone} are not members of the world now (it has {sorted(live)})",
             }
-        now = time.monotonic()
+        now, why = time.monotonic(), f"removed by {by}"
         for name in names:
-            self.removing[name] = now + timeout
-        why = f"removed by {by}"
+            self.removing[name] = (now + timeout, why)
         hearing = self.alive() - set(names)
         for name in names:  # everyone else first: no call reaches it once it stops
             self.healer.tell(_membership.LEAVING, name, why, hearing)
@@ -150,7 +150,7 @@ class Changes:
     def due(self) -> list[str]:
         """The removed workers whose time to leave has passed: the supervisor kills them."""
         now = time.monotonic()
-        return [name for name, when in self.removing.items() if when <= now]
+        return [name for name, (when, _) in self.removing.items() if when <= now]
 
     def exited(self, name: str, how: str) -> bool:
         """A worker's process ended: True if that was a change (it left, or failed to join).
@@ -159,9 +159,9 @@ class Changes:
         """
         joined = self.space.check([f"joined/{name}"])
         if name in self.removing:
-            del self.removing[name]
+            why = self.removing.pop(name)[1]
             self._gone(name, "it left")
-            self.space.set(f"left/{name}", "1")
+            self.space.set(f"left/{name}", json.dumps({"at": time.time(), "why": why}))
             return True
         if name not in self.adding or name in self.healer.retry:
             return False  # a member's death: healed, or the world fails

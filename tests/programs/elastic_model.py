@@ -37,7 +37,8 @@ BOUND_S = 30.0
 
 faulthandler.register(signal.SIGUSR1)
 _ran_lock = threading.Lock()
-EVENTS: list[tuple[Any, ...]] = []
+EVENTS: list[Any] = []  # what on_members delivered here
+STEPS: dict[str, int] = {}  # how often each rule ran
 
 
 def record(call_id: int) -> tuple[str, int]:
@@ -82,6 +83,7 @@ def _machine(max_examples: int, steps: int) -> None:
     from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
     ids = iter(range(1, 10**9))
+    STEPS.clear()
 
     class ElasticWorld(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -104,6 +106,7 @@ def _machine(max_examples: int, steps: int) -> None:
         @precondition(lambda self: len(self.live) < MAX_LIVE)
         @rule(count=st.integers(1, 2))
         def add(self, count: int) -> None:
+            STEPS["add"] = STEPS.get("add", 0) + 1
             count = min(count, MAX_LIVE - len(self.live))
             names = asyncrpc.add_workers(count, timeout=BOUND_S)
             assert len(names) == count and not set(names) & set(self.live + self.removed)
@@ -113,6 +116,7 @@ def _machine(max_examples: int, steps: int) -> None:
         @precondition(lambda self: self._added())
         @rule(data=st.data())
         def remove(self, data: Any) -> None:
+            STEPS["remove"] = STEPS.get("remove", 0) + 1
             name = data.draw(st.sampled_from(self._added()))
             asyncrpc.remove_workers(name, timeout=BOUND_S)
             self.live.remove(name)
@@ -123,6 +127,7 @@ def _machine(max_examples: int, steps: int) -> None:
         @precondition(lambda self: self._added())
         @rule(data=st.data())
         def kill(self, data: Any) -> None:
+            STEPS["kill"] = STEPS.get("kill", 0) + 1
             name = data.draw(st.sampled_from(self._added()))
             before = len(EVENTS)
             os.kill(asyncrpc.rpc_sync(name, pid), signal.SIGKILL)
@@ -137,12 +142,14 @@ def _machine(max_examples: int, steps: int) -> None:
 
         @rule(data=st.data())
         def call(self, data: Any) -> None:
+            STEPS["call"] = STEPS.get("call", 0) + 1
             name = data.draw(st.sampled_from(self.live))
             assert asyncrpc.rpc_sync(name, record, args=(next(ids),))[0] == name
 
         @precondition(lambda self: self.removed)
         @rule(data=st.data())
         def call_removed(self, data: Any) -> None:
+            STEPS["call_removed"] = STEPS.get("call_removed", 0) + 1
             name = data.draw(st.sampled_from(self.removed))
             call_id = next(ids)
             self.never.add(call_id)
@@ -156,12 +163,14 @@ def _machine(max_examples: int, steps: int) -> None:
         @precondition(lambda self: len(self.handles) < 8)
         @rule(data=st.data())
         def spawn(self, data: Any) -> None:
+            STEPS["spawn"] = STEPS.get("spawn", 0) + 1
             name = data.draw(st.sampled_from(self.live))
             self.handles.append([asyncrpc.spawn(name, Counter), name, 0, False])
 
         @precondition(lambda self: self.handles)
         @rule(data=st.data())
         def use(self, data: Any) -> None:
+            STEPS["use"] = STEPS.get("use", 0) + 1
             entry = self.handles[data.draw(st.integers(0, len(self.handles) - 1))]
             handle, owner, count, lost = entry
             if lost:
@@ -226,6 +235,7 @@ def main(ctx: asyncrpc.Context, max_examples: int, steps: int) -> None:
         print("the model was broken", flush=True)
         raise
     after = asyncrpc.rpc_sync("worker1", usage)
+    print(f"elastic model steps: {dict(sorted(STEPS.items()))}", flush=True)
     print(f"worker1 (fds, threads, RSS MiB): {before} before, {after} after", flush=True)
     assert after[0] <= before[0] + 4 and after[1] <= before[1] + 1, (before, after)
     assert after[2] <= before[2] + 24, (before, after)

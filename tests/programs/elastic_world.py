@@ -10,6 +10,7 @@ SCENARIO:
   stuck    a removed worker whose main never returns: stopped at the timeout, its
            running call fails with WorkerLeftError
   heal     elastic and healing: an added worker killed is replaced under its name
+  dump     asyncrpc-dump of a world that grew and shrank
   fixed    a world that does not grow: the verbs say so
 
 worker0 drives each world and prints one JSON object a line (`emit`).
@@ -195,6 +196,17 @@ def heal(ctx: asyncrpc.Context) -> None:
          after=list(asyncrpc.members()))  # fmt: skip
 
 
+def dump(ctx: asyncrpc.Context) -> None:
+    import subprocess
+
+    asyncrpc.add_workers(2)
+    asyncrpc.remove_workers("worker2")
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    command = [sys.executable, "-m", "asyncrpc._inspect._dump", "--world", address, "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    emit("dump", code=done.returncode, dump=json.loads(done.stdout or "{}"), err=done.stderr)
+
+
 def fixed(ctx: asyncrpc.Context) -> None:
     emit("fixed", members=list(asyncrpc.members()),
          add=_error(lambda: asyncrpc.add_workers(1)),
@@ -202,7 +214,7 @@ def fixed(ctx: asyncrpc.Context) -> None:
          watch=_error(lambda: asyncrpc.on_members(print)))  # fmt: skip
 
 
-SCENARIOS = {f.__name__: f for f in (basic, failjoin, timeout, stuck, heal, fixed)}
+SCENARIOS = {f.__name__: f for f in (basic, failjoin, timeout, stuck, heal, dump, fixed)}
 
 
 def main(ctx: asyncrpc.Context, scenario: str) -> None:
