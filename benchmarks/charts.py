@@ -15,6 +15,8 @@
     heal.png    benchmarks/heal.py --json heal.json: a killed worker's time from
                 the kill to its replacement's first answer, asyncrpc healing it
                 in place vs restarting the whole world vs Ray, against the target
+    elastic.png benchmarks/elastic.py --json elastic.json: adding 1 and 8 workers
+                (to their first answers) and removing one, asyncrpc vs Ray's actors
 
 Every chart names its run's date and machine. A missing JSON file skips its
 chart, with a line saying so.
@@ -271,6 +273,40 @@ def heal_chart(data: dict[str, Any], path: Path) -> None:
     _finish(fig, data, f"A killed worker of {data['world_size']} back in service", path)
 
 
+# ---- elastic.png ------------------------------------------------------------------------
+
+
+def elastic_chart(data: dict[str, Any], path: Path) -> None:
+    rows = list(data["rows"])
+    systems = [("asyncrpc (embedded)", COLORS["asyncrpc"]), ("Ray (actors)", COLORS["ray"])]
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.9 * len(rows)))
+    samples = [s for r in rows for got in data["rows"][r]["samples"].values() for s in got]
+    for i, row in enumerate(rows):
+        found = data["rows"][row]
+        for j, (system, color) in enumerate(systems):
+            if system not in found["seconds"]:
+                continue
+            y = i + (j - 0.5) * 0.38
+            seconds = found["seconds"][system]
+            ax.barh(y, seconds, height=0.34, color=color, label=system if i == 0 else None)
+            ax.plot(found["samples"][system], [y] * len(found["samples"][system]), "k|",
+                    markersize=8, alpha=0.6)  # fmt: skip
+            ratio = found.get("ray_over_ours")
+            note = f" ({ratio:.1f}x asyncrpc's)" if system.startswith("Ray") and ratio else ""
+            ax.text(max(found["samples"][system]) * 1.1, y, _seconds(seconds) + note,
+                    va="center", fontsize=8, bbox=_LABEL_BOX)  # fmt: skip
+    ax.set_yticks(range(len(rows)), rows, fontsize=9)
+    ax.set_ylim(len(rows) - 0.4, -0.6)
+    ax.set_xscale("log")
+    ax.set_xlim(min(samples) / 2, max(samples) * 8)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g} s"))
+    ax.set_xlabel("seconds (bar: median; ticks: every sample)")
+    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    ax.grid(axis="x", which="major", alpha=0.3)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.93))
+    _finish(fig, data, "Adding and removing workers while a world runs", path)
+
+
 # ---- training.png -------------------------------------------------------------------------
 
 TRAINING_WAYS = {  # way in ensemble_training.json: color
@@ -315,6 +351,7 @@ CHARTS: dict[str, tuple[str, Callable[[dict[str, Any], Path], None]]] = {
     "scale.png": ("scale.json", scale_chart),
     "vmap.png": ("stacked_mlp.json", vmap_chart),
     "heal.png": ("heal.json", heal_chart),
+    "elastic.png": ("elastic.json", elastic_chart),
     "training.png": ("ensemble_training.json", training_chart),
 }
 

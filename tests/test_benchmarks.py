@@ -181,6 +181,7 @@ CHARTS = {
     "scale": "scale.png",
     "stacked_mlp": "vmap.png",
     "heal": "heal.png",
+    "elastic": "elastic.png",
     "ensemble_training": "training.png",
 }
 

@@ -1,8 +1,10 @@
 """Membership changes the members of an elastic embedded world ask of its supervisor.
 
 A member's `add_workers` or `remove_workers` (`_core/_elastic`) writes a
-request to the world's store; the supervisor reads new ones on every turn
-of its loop (`Changes.serve`, every 10 ms) and answers there::
+request to the world's store; a thread of the supervisor's
+(`asyncrpc-requests`) blocks on the next request's key and wakes the
+supervisor's loop through a pipe, which serves it (`Changes.serve`) and
+answers in the store::
 
     member                       store (asyncrpc/0/heal/)          supervisor
     add_workers(2)  ── requests + 1, request/<id> ──────────────>  Changes.serve: names += new
@@ -26,7 +28,10 @@ same way, and `failed/<name>` says why.
 
 from __future__ import annotations
 
+import datetime
 import json
+import multiprocessing
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +41,9 @@ from .._core._membership import Joining
 from ._healer import Healer
 
 __all__ = ("Changes",)
+
+_FOREVER = datetime.timedelta(days=365)
+_CLOSE_S = 2.0  # how long the world's end waits for the requests' thread
 
 
 class Changes:
@@ -65,6 +73,40 @@ class Changes:
         self.removing: dict[str, tuple[float, str]] = {}
         self.adding: set[str] = set()  # added, not known to have joined yet
         self.space.set("elastic", json.dumps({"max_world_size": max_world_size}))
+        # Readable when a request may have come: in the supervisor's wait.
+        self.woken, self._wake = multiprocessing.Pipe(duplex=False)
+        self._waiter = threading.Thread(
+            target=self._wait_for_requests, args=(self.space.clone(),),  # type: ignore[attr-defined]
+            name="asyncrpc-requests", daemon=True,
+        )  # fmt: skip
+        self._waiter.start()
+
+    def _wait_for_requests(self, space: Any) -> None:
+        """Block on each next request's key in turn; wake the supervisor for each."""
+        number = 1
+        while True:
+            try:
+                space.wait([f"request/{number}"], _FOREVER)
+                stop = json.loads(space.get(f"request/{number}").decode())["op"] == "stop"
+                self._wake.send_bytes(b"1")
+            except Exception:  # the store or the supervisor's end of the pipe is gone
+                return
+            if stop:
+                return
+            number += 1
+
+    def close(self) -> None:
+        """Stop the requests' thread (a request of its own ends it), then the pipe."""
+        rid = int(self.space.add("requests", 1))
+        self.space.set(f"request/{rid}", json.dumps({"op": "stop"}))
+        self._waiter.join(_CLOSE_S)
+        self.woken.close()
+        self._wake.close()
+
+    def drain(self) -> None:
+        """Take the wake-ups the pipe holds (the loop serves every request there is)."""
+        while self.woken.poll():
+            self.woken.recv_bytes()
 
     def serve(self) -> None:
         """Serve the requests written since the last turn, in order."""
@@ -82,6 +124,8 @@ class Changes:
             self.space.set(f"reply/{self.handled}", json.dumps(reply))
 
     def _serve(self, request: dict[str, Any]) -> dict[str, Any]:
+        if request["op"] == "stop":
+            return {"ok": True}
         if request["op"] == "add":
             return self._add(int(request["count"]), request.get("role"))
         return self._remove(list(request["names"]), str(request["by"]), float(request["timeout"]))
@@ -176,7 +220,3 @@ class Changes:
     def _gone(self, name: str, why: str) -> None:
         self.healer.forget(name)
         self.healer.tell(_membership.LEFT, name, why, self.alive() - {name})
-
-    def timeout(self) -> float:
-        """How long the supervisor's wait may last: requests are read every 10 ms."""
-        return 0.01

@@ -30,7 +30,7 @@ from typing import Any
 from .._core import _world
 from . import _parent
 
-__all__ = ("KILL_AFTER_S", "caller_output", "close_outputs", "pickled_main", "worker")
+__all__ = ("KILL_AFTER_S", "caller_output", "close_outputs", "pickled_main", "spare", "worker")
 
 KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL: the supervisor's stop, and a worker's own
 
@@ -177,6 +177,29 @@ def worker(
         sys.stderr.flush()
         # A failed agent can leave threads that block a normal interpreter exit.
         os._exit(1)
+
+
+def spare(
+    payload: bytes,
+    fixed: tuple[Any, ...],
+    assignment: Connection,
+    errors: multiprocessing.connection.Connection,
+) -> None:
+    """A worker forked ahead of need (`_spares`): wait for its spec, then be that worker.
+
+    `fixed`: (environ, outputs, alive), the spec's parts every worker shares.
+    """
+    _parent.die_with_parent(os.getppid())
+    try:
+        rank, size, name, host, port, settings, roles, attempt, joining = assignment.recv()
+    except (EOFError, OSError):  # the world ended before it was needed
+        os._exit(0)
+    assignment.close()
+    multiprocessing.current_process().name = name  # as a worker started for it is named
+    environ, outputs, alive = fixed
+    spec = (rank, size, name, host, port, settings, roles, attempt, environ, outputs, alive,
+            joining)  # fmt: skip
+    worker(payload, spec, errors)
 
 
 def _watch_parent(alive: Connection) -> None:

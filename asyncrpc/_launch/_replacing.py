@@ -83,6 +83,9 @@ class Healing(NamedTuple):
     retire: Callable[[BaseProcess], None]
     changes: list[_changes.Changes]  # the members' requests to add and remove workers (one)
     running: dict[object, int]  # the supervisor's: a running process's sentinel -> its rank
+    # An added worker from a spare (`_spares`), or None (none ready: `spawn` it); refill.
+    warm: Callable[[int, int, Joining], tuple[BaseProcess, Connection] | None]
+    refill: Callable[[], None]
 
 
 def changes_for(
@@ -97,9 +100,15 @@ def changes_for(
     running = healing.running
 
     def start(rank: int, joining: Joining) -> None:
-        procs.append(None)  # type: ignore[arg-type]  # set by _start at once
-        errors.append(None)  # type: ignore[arg-type]
-        _start(healing, rank, joining, procs, errors, running)
+        warm = healing.warm(rank, 0, joining)
+        if warm is None:
+            procs.append(None)  # type: ignore[arg-type]  # set by _start at once
+            errors.append(None)  # type: ignore[arg-type]
+            _start(healing, rank, joining, procs, errors, running)
+            return
+        procs.append(warm[0])
+        errors.append(warm[1])
+        running[warm[0].sentinel] = rank
 
     def alive() -> set[str]:
         return {healer.names[r] for r in running.values() if runs(procs[r])} - healer.joining()
@@ -116,9 +125,11 @@ def changed(changes: _changes.Changes, rank: int, failure: WorkerFailedError) ->
     return True
 
 
-def serve(changes: _changes.Changes, procs: list[BaseProcess]) -> None:
-    """Serve the members' requests; kill the removed workers whose time is up."""
+def serve(healing: Healing, procs: list[BaseProcess]) -> None:
+    """Serve the members' requests; kill the removed workers whose time is up; a spare."""
+    changes = healing.changes[0]
     changes.serve()
+    healing.refill()
     for name in changes.due():
         proc = procs[changes.healer.names.index(name)]
         if runs(proc):

@@ -35,7 +35,7 @@ from typing import Any
 from .._core import _context, _rendezvous
 from .._core._errors import WorkerFailedError
 from .._core._membership import Joining
-from . import _child, _forkserver, _healer, _replacing
+from . import _child, _forkserver, _healer, _replacing, _spares
 from ._launched import launched, run_launched
 
 __all__ = ("run",)
@@ -110,7 +110,7 @@ def run(
             f"max_world_size, or start fewer workers"
         )
     if restart == "worker" or elastic:
-        _run_healing(main, args, size, roles, settings, max_restarts, max_world_size)
+        _run_healing(main, args, size, roles, settings, max_restarts, max_world_size, elastic)
         return
     for attempt in range(max_restarts + 1):
         # Survivors get a grace period to report their own failure, unless the
@@ -139,6 +139,7 @@ def _run_healing(
     settings: _context.Settings,
     max_restarts: int,
     max_world_size: int | None = None,
+    elastic: bool = False,
 ) -> None:
     """`restart="worker"`: one world healing in place, started again while it forms.
 
@@ -151,7 +152,7 @@ def _run_healing(
     used = 0
     while True:
         try:
-            heal = (max_restarts, used, max_world_size)
+            heal = (max_restarts, used, max_world_size, elastic)
             failure = _run_embedded(main, args, size, roles, settings, 0, _GRACE_S, heal)
         except _replacing.Unformed as unformed:
             failure, used = unformed.failure, used + 1
@@ -237,13 +238,14 @@ def _run_embedded(
     settings: _context.Settings,
     attempt: int,
     grace: float,
-    heal: tuple[int, int, int | None] | None = None,
+    heal: tuple[int, int, int | None, bool] | None = None,
 ) -> WorkerFailedError | None:
     """One world of local workers.
 
-    `heal`: (max_restarts, used, max_world_size): replace dead workers in
-    place, at most max_restarts times in all, `used` of them spent on earlier
-    starts; members may add workers (`_changes`), up to max_world_size.
+    `heal`: (max_restarts, used, max_world_size, elastic): replace dead
+    workers in place, at most max_restarts times in all, `used` of them spent
+    on earlier starts; members may add workers (`_changes`), up to
+    max_world_size; `elastic` (asked for): the next add starts from a spare.
     """
     host = "127.0.0.1"
     # Pickled here, loaded in the worker's own try: a worker that cannot load them
@@ -279,6 +281,11 @@ def _run_embedded(
         writer.close()
         return proc, reader
 
+    def assign(rank: int, attempt: int, joining: Joining) -> tuple[Any, ...]:
+        """What makes a spare worker `rank` (its spec, less what every spec shares)."""
+        return (rank, len(names), names[rank], host, store.port, settings, roles_now or None,
+                attempt, joining)  # fmt: skip
+
     def retire(proc: BaseProcess) -> None:
         procs.remove(proc)
         proc.close()
@@ -294,10 +301,23 @@ def _run_embedded(
         current = procs[:]  # by rank; `procs` keeps every process started, to stop them
         # A process that ended is dead before this loop has handled its end.
         healer.alive = lambda name: _replacing.runs(current[names.index(name)])
-        healing = _replacing.Healing(healer, spawn, {}, {}, retire, [], {})
+        spares = None
+        if heal[3]:  # elastic=True: the next add starts from a spare
+            spares = _spares.Spares(spawner, payload, (environ, outputs, alive), procs,
+                                    healer.formed)  # fmt: skip
+        healing = _replacing.Healing(
+            healer, spawn, {}, {}, retire, [], {},
+            lambda r, a, j: spares.take(assign(r, a, j)) if spares is not None else None,
+            spares.refill if spares is not None else lambda: None,
+        )  # fmt: skip
         changes = _replacing.changes_for(healing, heal[2], roles_now, current, errors)
         healing.changes.append(changes)
-        return _supervise(current, errors, names, grace, healing)
+        try:
+            return _supervise(current, errors, names, grace, healing)
+        finally:
+            changes.close()
+            if spares is not None:
+                spares.close()
     except BaseException:
         _stop(procs)
         raise
@@ -328,8 +348,12 @@ def _supervise(
         # store runs some here) does not interrupt this one; Python raises it here
         # only once the wait returns.
         timeout = _wake_after(deadline, healing)
-        ready = multiprocessing.connection.wait(list(running), max(0.0, timeout))  # type: ignore[arg-type]
-        exited = sorted((running.pop(s) for s in ready), key=lambda r: _signal_first(procs[r]))
+        waits = list(running) + ([changes.woken] if changes is not None else [])
+        ready = multiprocessing.connection.wait(waits, max(0.0, timeout))  # type: ignore[arg-type]
+        if changes is not None and changes.woken in ready:
+            changes.drain()  # served below
+        ended = [running.pop(s) for s in ready if s in running]
+        exited = sorted(ended, key=lambda r: _signal_first(procs[r]))
         for rank in exited:
             procs[rank].join()
             failure = _failure(rank, names[rank], procs[rank], errors[rank])
@@ -346,8 +370,8 @@ def _supervise(
                 healing.later.clear()  # the world fails: nothing more starts
         if healing is not None and not failures:
             _replacing.start_due(healing, procs, errors, running)
-        if changes is not None and not failures:
-            _replacing.serve(changes, procs)
+        if healing is not None and changes is not None and not failures:
+            _replacing.serve(healing, procs)
         if failures and deadline is None:
             deadline = time.monotonic() + grace
         if deadline is not None and time.monotonic() >= deadline and running:
@@ -360,8 +384,7 @@ def _wake_after(deadline: float | None, healing: _replacing.Healing | None) -> f
     """How long the supervisor's wait may last: until the grace ends or a start is due."""
     now = time.monotonic()
     wake = [now + _WAKE_S] + ([deadline] if deadline is not None else [])
-    if healing is not None and healing.changes:
-        wake.append(now + healing.changes[0].timeout())
+
     wake += [when for when, _ in healing.later.values()] if healing is not None else []
     return min(wake) - now
 

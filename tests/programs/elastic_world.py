@@ -231,8 +231,10 @@ def main(ctx: asyncrpc.Context, scenario: str) -> None:
 if __name__ == "__main__":
     which = sys.argv[1]
     options: dict[str, Any] = {"elastic": which != "fixed", "max_world_size": 4}
-    if which == "heal":
-        options.update(restart="worker", max_restarts=2)
+    if which in ("heal", "failjoin", "timeout"):
+        # Healing worlds are elastic too, without spares: these workers obey orders at
+        # import, where a spare has no name yet (elastic=True forks one ahead).
+        options = {"restart": "worker", "max_restarts": 2, "max_world_size": 4}
     if which == "fixed":
         options = {}
     asyncrpc.run(main, world_size=2, args=(which,), **options)
