@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import tempfile
+import time
 from typing import Any
 
 import pytest
@@ -68,8 +69,24 @@ def test_a_removed_worker_fails_named_on_every_verb(basic: dict[str, Any]) -> No
     assert remove["again"][0] == "UnknownWorkerError"
 
 
-def test_a_removed_worker_finishes_the_calls_it_runs(basic: dict[str, Any]) -> None:
-    assert basic["busy"] == {"check": "busy", "result": "done", "after": ["worker0", "worker1"]}
+def test_a_removed_worker_finishes_the_calls_and_streams_it_runs(basic: dict[str, Any]) -> None:
+    busy = basic["busy"]
+    assert busy["result"] == "done" and busy["after"] == ["worker0", "worker1"]
+    assert busy["streamed"] == list(range(10))  # every item, though it was removed mid-way
+
+
+def test_edges_a_short_timeout_the_supervisors_fds_and_a_worker_that_stays() -> None:
+    started = time.monotonic()
+    done, records = _run("edges")
+    # The removed worker never returned from main: the world ended without it, well
+    # before its removal's timeout (rpc_timeout, 60 s) would have stopped it.
+    assert time.monotonic() - started < 40, done.stderr[-3000:]
+    edges = records["edges"]
+    assert edges["tiny"][0] == "JoinTimeoutError", edges["tiny"]
+    assert edges["after_tiny"] == ["worker0", "worker1"]  # nothing stayed behind
+    assert edges["grown"] <= 2, edges  # 12 adds and removes: nothing kept per worker
+    assert edges["members"] == ["worker0", "worker1"]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 def test_roles_bounds_and_bad_input(basic: dict[str, Any]) -> None:

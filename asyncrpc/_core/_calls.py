@@ -178,14 +178,19 @@ def check(
     kwargs: Any,
     timeout: float | None,
     label: object = None,
+    continuing: bool = False,
 ) -> Call:
-    """Validate one call before anything is sent; `label` names it in errors (default: func)."""
+    """Validate one call before anything is sent; `label` names it in errors (default: func).
+
+    `continuing`: a call that goes on with one already running (a stream's next
+    pull or its close), which a worker being removed still takes until it has left.
+    """
     world = _runtime.running_world() or _world.current_world(f"asyncrpc.{verb}")
     # A world that heals or grows: members added since this one started count too.
     names = world.context.names if world.members is None else world.members.names
     worker = _worker_name(verb, to, names)
     if world.members is not None:  # a world that heals: `worker` may be being replaced
-        world.members.check_call(worker)
+        world.members.check_call(worker, continuing)
     if world.infos or _torch.agent_running():  # peers may call before the agent is set
         to = world.info(worker)
     if not callable(func):

@@ -135,7 +135,10 @@ def add_workers(
         )
     seconds = _seconds(timeout, world, "init_timeout")
     deadline = time.monotonic() + seconds
-    reply = _ask(world, {"op": "add", "count": count, "role": role, "by": ctx.name}, seconds)
+    # The supervisor's answer is not the join: it is waited for past a short timeout,
+    # so that the workers it started are known and can be stopped (`_STOPPED_S`).
+    request = {"op": "add", "count": count, "role": role, "by": ctx.name}
+    reply = _ask(world, request, max(seconds, _STOPPED_S))
     names = tuple(reply["names"])
     try:
         _wait_joined(world, names, deadline, seconds)
@@ -166,7 +169,8 @@ def remove_workers(*names: str, timeout: float | None = None) -> None:
     """
     world = _elastic_world("asyncrpc.remove_workers()")
     ctx = world.context
-    live = _records.live_names(_space(world))
+    assert world.members is not None
+    live = world.members.live()  # a worker still joining is no member yet
     for name in names:
         if not isinstance(name, str) or name not in live:
             raise UnknownWorkerError(

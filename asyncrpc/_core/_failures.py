@@ -387,6 +387,13 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
             f"larger timeout=..., or check that {worker!r} is not stuck",
             worker,
         )
+    elif kind == "unreachable" and _removed_here():
+        named = WorkerUnreachableError(
+            f"the call to {label_of(func)} on worker {worker!r} failed: this worker was "
+            f"removed from the world ({_removed_here()}), which may end without it; return "
+            f"from main once asyncrpc.stopping() is True. Transport: {first}",
+            worker,
+        )
     elif kind == "unreachable" and _left(worker):
         named = WorkerLeftError(
             f"worker {worker!r} left the world ({_left(worker)}) before the call to "
@@ -415,6 +422,14 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
         )
     named.__cause__ = error
     return named
+
+
+def _removed_here() -> str:
+    """Why this worker is being removed from its elastic world, or "" if it is not."""
+    world = _runtime.running_world()
+    if world is None or world.members is None or not world.stopping.is_set():
+        return ""
+    return world.members.left.get(world.context.name, "removed")
 
 
 def _left(worker: str) -> str:

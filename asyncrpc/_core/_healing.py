@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = ("join", "leave", "news")
 
+_FINISH_POLL_S = 0.01  # how often a leaving worker looks whether its calls are done
+
 
 def join(world: World, joining: Joining) -> None:
     """After torch's join: publish this member, meet the others (or welcome them)."""
@@ -135,7 +137,7 @@ def news(text: str) -> None:
     if kind == _membership.LEAVING:
         _leaving(world, name, why)
     elif kind == _membership.LEFT:
-        _departed(world, name, torch_id)
+        _departed(world, name, torch_id, why)
     elif world.members.gone(name, torch_id, why):
         # Kept in torch's group (see _membership); its pipe closed, or its sockets
         # would stay open (CLOSE-WAIT) here for good.
@@ -153,16 +155,30 @@ def _leaving(world: World, name: str, why: str) -> None:
         world.stopping.set()
 
 
-def _departed(world: World, name: str, torch_id: int) -> None:
+def _departed(world: World, name: str, torch_id: int, why: str) -> None:
     """`name`'s process has left the world: its objects are lost, its pipe closed."""
     assert world.members is not None
-    event = world.members.departed(name, torch_id)
+    event = world.members.departed(name, torch_id, why)
     if event is None:
         return
     _torch.close_pipe(_membership.torch_name(name, torch_id, world.members.size))
     for hook in list(world.members.gone_hooks):
         hook(torch_id)
     world.members.announce(event)
+
+
+def _finish(timeout: float) -> None:
+    """A removed worker: wait until it runs no call and no stream for a peer any more.
+
+    Unbounded without `timeout`: its supervisor stops it at the removal's.
+    """
+    from . import _stream  # the call path's: imported once a world leaves
+
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    while _torch.serving() or _stream.open_producers():
+        if deadline is not None and time.monotonic() > deadline:
+            return
+        time.sleep(_FINISH_POLL_S)
 
 
 def leave(world: World, graceful: bool, timeout: float) -> None:
@@ -197,7 +213,7 @@ def leave(world: World, graceful: bool, timeout: float) -> None:
         # objects it owns to be deleted, and those are lost with it.
         _torch.release_user_rrefs(timeout)
     if graceful and leaving:  # the calls it runs finish, and deliver their results
-        _torch.finish_serving(timeout)
+        _finish(timeout)
     if graceful and (leaving or not healed):
         _torch.stop_serving(timeout)
     if graceful and not world.stopping.is_set():

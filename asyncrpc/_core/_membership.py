@@ -248,12 +248,21 @@ class Members:
         """The members now, in rank order: those that left (or are leaving) are not."""
         return tuple(name for name in self.names if name not in self.left)
 
-    def check_call(self, name: str) -> None:
+    def check_call(self, name: str, continuing: bool = False) -> None:
         """Raise `WorkerUnreachableError` for a call to `name` while it is being replaced.
 
-        `WorkerLeftError` once it was removed from the world.
+        `WorkerLeftError` once it is being removed from the world; but a call
+        `continuing` one it runs (a stream's next pull) reaches it until it has left.
         """
         left = self.left.get(name)
+        if left is not None and continuing:
+            if self.ids.get(name) not in self.lost:
+                return  # still leaving: it finishes what it runs
+            raise WorkerLeftError(
+                f"worker {name!r} left the world ({left}) while this stream from it was open; "
+                f"the items it had sent were delivered, and the stream ends here",
+                name,
+            )
         if left is not None:
             raise WorkerLeftError(
                 f"worker {name!r} left the world ({left}); calls to it fail (nothing was "
@@ -335,13 +344,13 @@ class Members:
             self.left[name] = reason
             return True
 
-    def departed(self, name: str, torch_id: int) -> Left | None:
+    def departed(self, name: str, torch_id: int, why: str) -> Left | None:
         """`name`'s process (torch id) has left: its objects are lost; the event, once."""
         with self.lock:
             if name not in self.ranks or torch_id in self.lost:
                 return None
             self.lost[torch_id] = name
-            self.left.setdefault(name, "it left")
+            self.left.setdefault(name, why)
             return Left(name, self.ranks[name], self.left[name])
 
     def announce(self, event: Replaced | Joined | Left) -> None:

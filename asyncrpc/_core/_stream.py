@@ -257,8 +257,9 @@ class Stream(Generic[T]):
         made = (call.func, tuple(call.args or ()), dict(call.kwargs or {}), label_of(call.label))
         args = (call.sent.key, made if opening else None, self._window - len(self._buffer))
         pull_call = _calls.check(
-            "stream", call.worker, _pull, args, None, call.seconds, call.label
-        )
+            "stream", call.worker, _pull, args, None, call.seconds, call.label,
+            continuing=not opening,
+        )  # fmt: skip
         try:
             self._pending = _calls.send(pull_call)
         except BaseException:
@@ -277,7 +278,8 @@ _NOTHING = _Nothing()
 def _close_remote(call: _calls.Call) -> None:
     """Tell the producer to close its generator (fire and forget)."""
     try:
-        close = _calls.check("stream", call.worker, _close, (call.sent.key,), None, -1, call.label)
+        close = _calls.check("stream", call.worker, _close, (call.sent.key,), None, -1, call.label,
+                             continuing=True)  # fmt: skip
         _calls.send(close)
     except Exception:  # the world or the producer is gone: nothing is left to close
         pass

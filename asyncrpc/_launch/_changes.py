@@ -192,9 +192,15 @@ class Changes:
         return {"ok": True}
 
     def due(self) -> list[str]:
-        """The removed workers whose time to leave has passed: the supervisor kills them."""
+        """The removed workers whose time to leave has passed: the supervisor kills them.
+
+        All of them once the world ends: it does not wait for them.
+        """
         now = time.monotonic()
-        return [name for name, (when, _) in self.removing.items() if when <= now]
+        due = [name for name, (when, _) in self.removing.items() if when <= now]
+        if len(due) < len(self.removing) and _records.read_state(self.space)["ending"]:
+            return list(self.removing)
+        return due
 
     def exited(self, name: str, how: str) -> bool:
         """A worker's process ended: True if that was a change (it left, or failed to join).
@@ -204,7 +210,7 @@ class Changes:
         joined = self.space.check([f"joined/{name}"])
         if name in self.removing:
             why = self.removing.pop(name)[1]
-            self._gone(name, "it left")
+            self._gone(name, why)
             self.space.set(f"left/{name}", json.dumps({"at": time.time(), "why": why}))
             return True
         if name not in self.adding or name in self.healer.retry:

@@ -199,6 +199,7 @@ def heal(
         print(f"asyncrpc: {_heal_line(healer, rank, failure, retry, refused)}",
               file=sys.stderr, flush=True)  # fmt: skip
         healing.retire(procs[rank])
+        errors[rank].close()  # read (`_failure`); the replacement gets its own
         if refused:
             healing.later[rank] = (time.monotonic() + _REFUSED_S, joining)
         else:

@@ -359,6 +359,7 @@ def _supervise(
             failure = _failure(rank, names[rank], procs[rank], errors[rank])
             if changes is not None and not failures and _replacing.changed(changes, rank, failure):
                 healing.retire(procs[rank])  # type: ignore[union-attr]  # changes: healing
+                errors[rank].close()
                 continue
             if procs[rank].exitcode == 0 and (healing is None or healing.healer.ending()):
                 continue

@@ -11,6 +11,8 @@ SCENARIO:
            running call fails with WorkerLeftError
   heal     elastic and healing: an added worker killed is replaced under its name
   dump     asyncrpc-dump of a world that grew and shrank
+  edges    a timeout shorter than the supervisor's answer; the supervisor's fds over
+           adds and removes; a removed worker whose main never returns (the world ends)
   fixed    a world that does not grow: the verbs say so
 
 worker0 drives each world and prints one JSON object a line (`emit`).
@@ -26,6 +28,7 @@ import os
 import pathlib
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -35,6 +38,7 @@ import asyncrpc
 
 DIR = pathlib.Path(os.environ.get("ELASTIC_DIR", "."))
 EVENTS: list[list[Any]] = []
+BOUND_S = 30.0  # no wait of this program is longer
 
 
 def _at_start() -> None:
@@ -91,6 +95,21 @@ def count(n: int) -> Any:
     yield from range(n)
 
 
+def count_slowly(n: int) -> Any:
+    for i in range(n):
+        time.sleep(0.05)
+        yield i
+
+
+def stubborn() -> None:
+    """Remove this worker, then go on running anyway (its main ignores stopping())."""
+    asyncrpc.remove_workers(asyncrpc.current_context().name)
+
+
+def descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def remove_self() -> None:
     asyncrpc.remove_workers(asyncrpc.current_context().name)
 
@@ -143,9 +162,15 @@ def basic(ctx: asyncrpc.Context) -> None:
          nested=_error(lambda: asyncrpc.rpc_sync("worker1", relay, args=("worker2",))),
          again=_error(lambda: asyncrpc.remove_workers("worker2")))  # fmt: skip
     busy = asyncrpc.rpc_async("worker3", slow, args=(1.5,))
-    time.sleep(0.3)  # it runs there
+    streamed: list[Any] = []
+    stream = asyncrpc.stream("worker3", count_slowly, args=(10,), window=2)
+    streamed.append(next(stream))
+    reader = threading.Thread(target=lambda: streamed.extend(stream), name="reader")
+    reader.start()
+    time.sleep(0.3)  # both run there
     asyncrpc.remove_workers("worker3")
-    emit("busy", result=busy.wait(), after=list(asyncrpc.members()))
+    reader.join(BOUND_S)
+    emit("busy", result=busy.wait(), streamed=streamed, after=list(asyncrpc.members()))
     actors = asyncrpc.add_workers(1, role="actor")
     emit("role", added=list(actors), context=asyncrpc.rpc_sync(actors[0], whoami),
          full=_error(lambda: asyncrpc.add_workers(2)),
@@ -207,6 +232,21 @@ def dump(ctx: asyncrpc.Context) -> None:
     emit("dump", code=done.returncode, dump=json.loads(done.stdout or "{}"), err=done.stderr)
 
 
+def edges(ctx: asyncrpc.Context) -> None:
+    tiny = _error(lambda: asyncrpc.add_workers(1, timeout=0.005))
+    after_tiny = list(asyncrpc.members())
+    parent = int(os.environ["ELASTIC_PARENT"])
+    for _ in range(3):  # what the first changes open (threads, spares) is not growth
+        asyncrpc.remove_workers(*asyncrpc.add_workers(1))
+    before = descriptors(parent)
+    for _ in range(12):
+        asyncrpc.remove_workers(*asyncrpc.add_workers(1))
+    grown = descriptors(parent) - before
+    ignoring = asyncrpc.add_workers(1, role="stubborn")[0]
+    asyncrpc.rpc_sync(ignoring, stubborn)  # removed; its main never returns
+    emit("edges", tiny=tiny, after_tiny=after_tiny, grown=grown, members=list(asyncrpc.members()))
+
+
 def fixed(ctx: asyncrpc.Context) -> None:
     emit("fixed", members=list(asyncrpc.members()),
          add=_error(lambda: asyncrpc.add_workers(1)),
@@ -214,7 +254,7 @@ def fixed(ctx: asyncrpc.Context) -> None:
          watch=_error(lambda: asyncrpc.on_members(print)))  # fmt: skip
 
 
-SCENARIOS = {f.__name__: f for f in (basic, failjoin, timeout, stuck, heal, dump, fixed)}
+SCENARIOS = {f.__name__: f for f in (basic, failjoin, timeout, stuck, heal, dump, edges, fixed)}
 
 
 def main(ctx: asyncrpc.Context, scenario: str) -> None:
@@ -223,6 +263,9 @@ def main(ctx: asyncrpc.Context, scenario: str) -> None:
     if ctx.name == "worker0":
         SCENARIOS[scenario](ctx)
         return
+    if ctx.role == "stubborn":
+        while True:  # ignores stopping(): the world ends without it
+            time.sleep(0.05)
     if ctx.role == "actor" or (scenario == "stuck" and ctx.rank >= 2):
         while scenario == "stuck" or not asyncrpc.stopping():
             time.sleep(0.05)
@@ -230,6 +273,7 @@ def main(ctx: asyncrpc.Context, scenario: str) -> None:
 
 if __name__ == "__main__":
     which = sys.argv[1]
+    os.environ["ELASTIC_PARENT"] = str(os.getpid())  # the supervisor: workers read its fds
     options: dict[str, Any] = {"elastic": which != "fixed", "max_world_size": 4}
     if which in ("heal", "failjoin", "timeout"):
         # Healing worlds are elastic too, without spares: these workers obey orders at

@@ -43,6 +43,7 @@ __all__ = (
     "own_id",
     "release_user_rrefs",
     "root_store",
+    "serving",
     "stop_serving",
     "store_address",
     "worker_info",
@@ -232,20 +233,15 @@ def release_user_rrefs(timeout: float) -> None:
         pass
 
 
-def finish_serving(timeout: float) -> None:
-    """Wait (up to `timeout` s, else `_STOP_SERVING_S`) until no call runs here for a peer.
+def serving() -> int:
+    """How many calls this agent runs for peers now (torch's metrics count them).
 
-    torch's join waits only for this agent's own calls; it then stops replying,
-    so a leaving worker waits for the calls it serves first (torch's metrics count them).
+    torch's join waits only for this agent's own calls, then stops replying:
+    a worker that leaves waits for these first.
     """
-    deadline = time.monotonic() + (timeout or _STOP_SERVING_S)
-    while time.monotonic() < deadline:
-        metrics = current_agent().get_metrics()
-        active = int(metrics.get("agent.server_active_calls", 0))
-        active += int(metrics.get("agent.server_active_async_calls", 0))
-        if not active:
-            return
-        time.sleep(0.01)
+    metrics = current_agent().get_metrics()
+    active = int(metrics.get("agent.server_active_calls", 0))
+    return active + int(metrics.get("agent.server_active_async_calls", 0))
 
 
 def stop_serving(timeout: float) -> None:
