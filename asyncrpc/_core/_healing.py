@@ -167,15 +167,13 @@ def _departed(world: World, name: str, torch_id: int, why: str) -> None:
     world.members.announce(event)
 
 
-def _finish(timeout: float) -> None:
+def _finish(members: _membership.Members, timeout: float) -> None:
     """A removed worker: wait until it runs no call and no stream for a peer any more.
 
     Unbounded without `timeout`: its supervisor stops it at the removal's.
     """
-    from . import _stream  # the call path's: imported once a world leaves
-
     deadline = time.monotonic() + timeout if timeout > 0 else None
-    while _torch.serving() or _stream.open_producers():
+    while _torch.serving() or members.busy():
         if deadline is not None and time.monotonic() > deadline:
             return
         time.sleep(_FINISH_POLL_S)
@@ -213,7 +211,7 @@ def leave(world: World, graceful: bool, timeout: float) -> None:
         # objects it owns to be deleted, and those are lost with it.
         _torch.release_user_rrefs(timeout)
     if graceful and leaving:  # the calls it runs finish, and deliver their results
-        _finish(timeout)
+        _finish(members, timeout)
     if graceful and (leaving or not healed):
         _torch.stop_serving(timeout)
     if graceful and not world.stopping.is_set():

@@ -202,6 +202,7 @@ class Members:
         # Run with a dead process's torch id once it is known dead (what this worker
         # serves for it: a stream's producer, say).
         self.gone_hooks: list[Callable[[int], None]] = []
+        self.busy_probes: list[Callable[[], int]] = []  # see `on_busy`
         self.lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         # torch's WorkerInfo per process (torch id): a process's entry never goes stale.
@@ -216,6 +217,16 @@ class Members:
                 torch_name(name, torch_id, self.size)
             )
         return found
+
+    def on_busy(self, probe: Callable[[], int]) -> None:
+        """Count `probe()` (what this worker still serves: open streams) in `busy` (once)."""
+        with self.lock:
+            if probe not in self.busy_probes:
+                self.busy_probes.append(probe)
+
+    def busy(self) -> int:
+        """What this worker serves beside running calls (a removed one leaves at 0)."""
+        return sum(probe() for probe in list(self.busy_probes))
 
     def on_gone(self, hook: Callable[[int], None]) -> None:
         """Have `hook(torch id)` run once a member's process is known dead (once per hook)."""

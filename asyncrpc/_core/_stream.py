@@ -427,6 +427,7 @@ def _open(
     world = _runtime.running_world()
     if world is not None and world.members is not None:  # a world that heals
         world.members.on_gone(_close_from)
+        world.members.on_busy(open_producers)  # a removed worker leaves once they are done
     if inspect.isasyncgen(gen):
         producer.pump = start_coroutine(_pump_async(producer), func)
     else:
