@@ -654,16 +654,3 @@ def test_a_join_that_meets_a_dead_member_fails_at_once() -> None:
     seen = json.loads(found.group(1))
     assert "connection refused" in seen["error"].lower(), seen  # torch's own failure, raised
     assert seen["seconds"] < 5.0, seen  # not the store's 20 s
-
-
-def test_a_join_tells_the_members_at_once_through_torchs_own_helpers() -> None:
-    from torch.distributed.rpc import backend_registry
-
-    from asyncrpc._core._torch import _agent
-
-    hooks = _agent._join_hooks()
-    assert all(hook() is not None for hook in hooks.values()), sorted(hooks)
-    serial = backend_registry._set_devices_and_reverse_device_map
-    with _torch.failing_fast():
-        assert backend_registry._set_devices_and_reverse_device_map is _agent.announce_join
-    assert backend_registry._set_devices_and_reverse_device_map is serial  # put back

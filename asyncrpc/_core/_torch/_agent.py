@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -256,65 +255,6 @@ def stop_serving(timeout: float) -> None:
         pass
 
 
-def _join_hooks() -> dict[str, Callable[[], object]]:
-    """The private names `announce_join` takes from torch's join of a dynamic group."""
-    return {
-        f"torch.distributed.rpc.backend_registry.{n}": functools.partial(getattr, _backends, n)
-        for n in (
-            "_set_devices_and_reverse_device_map", "_get_device_infos", "_validate_device_maps",
-            "_create_reverse_mapping", "_create_device_list", "_update_group_membership",
-        )
-    }  # fmt: skip
-
-
-def announce_join(agent: Any) -> None:
-    """torch's `_set_devices_and_reverse_device_map`, its calls to the members made at once.
-
-    A process joining a dynamic group asks every member for its devices, then
-    tells every member it joined, one blocking call after another while it
-    holds the group's token: a join costs two round trips (and a new
-    connection) per member, and joins queue behind the token, so adding 8
-    workers to a world of 60 took 6.7 s here. The same calls, with the same
-    arguments and checks, sent together: one round of each.
-
-    asyncrpc starts every member of a group with the same backend options: a
-    joiner with no devices and no device maps knows the members have none
-    either, and the first round (their answers: none) is not sent at all.
-    """
-    torch_join: Any = _backends  # torch's untyped helpers
-    me = agent.get_worker_info()
-    names = [str(info.name) for info in agent.get_worker_infos()]
-    api = vars(_backends)["api"]  # `failing_fast`'s, inside a join
-    options = agent._get_backend_options()
-    mine = (_device_count(), options.device_maps, options.devices)
-    none = not (options.device_maps or options.devices)
-    asked = {} if none else {
-        n: api.rpc_async(n, torch_join._get_device_infos) for n in names if n != me.name
-    }  # fmt: skip
-    counts, maps, devices = {}, {}, {}
-    for name in names:
-        found = mine if name == me.name or none else asked[name].wait()
-        counts[name], maps[name], devices[name] = found
-    torch_join._validate_device_maps(names, counts, maps, devices, is_static_group=False)
-    reverse = torch_join._create_reverse_mapping(me.name, names, maps)
-    told = [
-        api.rpc_async(name, torch_join._update_group_membership, args=(
-            me, torch_join._create_device_list(devices[name], maps[name], reverse), reverse, True,
-        ))
-        for name in names
-    ]  # fmt: skip
-    for fut in told:
-        fut.wait()
-
-
-def _device_count() -> int:
-    """This process's device count as torch's join reads it (accelerators from torch 2.15)."""
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "device_count"):
-        return int(accelerator.device_count())
-    return int(torch.cuda.device_count())
-
-
 @contextlib.contextmanager
 def failing_fast() -> Iterator[None]:
     """Around a join of a dynamic group (`init_rpc` with no world size): a failure ends it at once.
@@ -329,23 +269,11 @@ def failing_fast() -> Iterator[None]:
     a token left held by a dead process is released (`forget_member`).
     """
     module = vars(_backends)["api"]
-    serial = vars(_backends).get("_set_devices_and_reverse_device_map")
     setattr(_backends, "api", _FastLeave(module))  # noqa: B010 (a module torch does not type)
-    if _has(_join_hooks()):  # else torch's own join, one member after another
-        setattr(_backends, "_set_devices_and_reverse_device_map", announce_join)  # noqa: B010
     try:
         yield
     finally:
         setattr(_backends, "api", module)  # noqa: B010
-        if serial is not None:
-            setattr(_backends, "_set_devices_and_reverse_device_map", serial)  # noqa: B010
-
-
-def _has(hooks: dict[str, Callable[[], object]]) -> bool:
-    try:
-        return all(hook() is not None for hook in hooks.values())
-    except AttributeError:
-        return False
 
 
 class _FastLeave:
