@@ -177,7 +177,10 @@ def basic(ctx: asyncrpc.Context) -> None:
          bad=_error(lambda: asyncrpc.add_workers(0)),
          unknown=_error(lambda: asyncrpc.remove_workers("nobody")))  # fmt: skip
     asyncrpc.rpc_sync(actors[0], remove_self)  # it removes itself: returns at once
+    # Events arrive on a thread of their own, on every member: wait for the last one.
     _wait_for(lambda: any(e[0] == "Left" and e[1] == actors[0] for e in EVENTS))
+    _wait_for(lambda: any(e[0] == "Left" and e[1] == actors[0]
+                          for e in asyncrpc.rpc_sync("worker1", seen_events)))  # fmt: skip
     emit("events", mine=EVENTS, peer=asyncrpc.rpc_sync("worker1", seen_events),
          after=list(asyncrpc.members()))  # fmt: skip
 
