@@ -387,27 +387,8 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
             f"larger timeout=..., or check that {worker!r} is not stuck",
             worker,
         )
-    elif kind == "unreachable" and _removed_here():
-        named = WorkerUnreachableError(
-            f"the call to {label_of(func)} on worker {worker!r} failed: this worker was "
-            f"removed from the world ({_removed_here()}), which may end without it; return "
-            f"from main once asyncrpc.stopping() is True. Transport: {first}",
-            worker,
-        )
-    elif kind == "unreachable" and _left(worker):
-        named = WorkerLeftError(
-            f"worker {worker!r} left the world ({_left(worker)}) before the call to "
-            f"{label_of(func)} finished there; call one of asyncrpc.members() instead. "
-            f"Transport: {first}",
-            worker,
-        )
     elif kind == "unreachable":
-        named = WorkerUnreachableError(
-            f"worker {worker!r} cannot be reached, so the call to {label_of(func)} failed; "
-            f"it has probably died (its own output or the launcher says why). Transport: "
-            f"{first}",
-            worker,
-        )
+        named = _unreachable(worker, func, first)
     elif kind == "unimportable":
         named = SerializationError(
             f"the call to {label_of(func)} on {worker!r} carried an object of a class one side "
@@ -424,19 +405,32 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
     return named
 
 
-def _removed_here() -> str:
-    """Why this worker is being removed from its elastic world, or "" if it is not."""
-    world = _runtime.running_world()
-    if world is None or world.members is None or not world.stopping.is_set():
-        return ""
-    return world.members.left.get(world.context.name, "removed")
-
-
-def _left(worker: str) -> str:
-    """Why `worker` left this elastic world (`remove_workers`), or "" if it did not."""
+def _unreachable(worker: str, func: object, first: str) -> WorkerUnreachableError:
+    """A call's worker could not be reached: it died, left, or this worker was removed."""
     world = _runtime.running_world()
     members = world.members if world is not None else None
-    return members.left.get(worker, "") if members is not None else ""
+    if world is not None and members is not None and world.stopping.is_set():
+        removed = members.left.get(world.context.name, "removed")
+        return WorkerUnreachableError(
+            f"the call to {label_of(func)} on worker {worker!r} failed: this worker was "
+            f"removed from the world ({removed}), which may end without it; return "
+            f"from main once asyncrpc.stopping() is True. Transport: {first}",
+            worker,
+        )
+    left = members.left.get(worker) if members is not None else None
+    if left is not None:
+        return WorkerLeftError(
+            f"worker {worker!r} left the world ({left}) before the call to "
+            f"{label_of(func)} finished there; call one of asyncrpc.members() instead. "
+            f"Transport: {first}",
+            worker,
+        )
+    return WorkerUnreachableError(
+        f"worker {worker!r} cannot be reached, so the call to {label_of(func)} failed; "
+        f"it has probably died (its own output or the launcher says why). Transport: "
+        f"{first}",
+        worker,
+    )
 
 
 _LOST_OWNER = re.compile(r"ObjectLostError: (.*?live[sd] on worker '([^']*)'.*?)(?:\n\n|\nAt:|$)",

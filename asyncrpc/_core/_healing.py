@@ -139,11 +139,7 @@ def news(text: str) -> None:
     elif kind == _membership.LEFT:
         _departed(world, name, torch_id, why)
     elif world.members.gone(name, torch_id, why):
-        # Kept in torch's group (see _membership); its pipe closed, or its sockets
-        # would stay open (CLOSE-WAIT) here for good.
-        _torch.close_pipe(_membership.torch_name(name, torch_id, world.members.size))
-        for hook in list(world.members.gone_hooks):
-            hook(torch_id)
+        _let_go(world.members, name, torch_id)
     _membership.heal_space(world.store, world.tag).set(f"{seq}/ack/{world.context.name}", "1")
 
 
@@ -161,10 +157,19 @@ def _departed(world: World, name: str, torch_id: int, why: str) -> None:
     event = world.members.departed(name, torch_id, why)
     if event is None:
         return
-    _torch.close_pipe(_membership.torch_name(name, torch_id, world.members.size))
-    for hook in list(world.members.gone_hooks):
-        hook(torch_id)
+    _let_go(world.members, name, torch_id)
     world.members.announce(event)
+
+
+def _let_go(members: _membership.Members, name: str, torch_id: int) -> None:
+    """`name`'s process `torch_id` is gone (died or left): close its pipe, run the hooks.
+
+    Kept in torch's group (see _membership); its pipe closed, or its sockets
+    would stay open (CLOSE-WAIT) here for good.
+    """
+    _torch.close_pipe(_membership.torch_name(name, torch_id, members.size))
+    for hook in list(members.gone_hooks):
+        hook(torch_id)
 
 
 def _finish(members: _membership.Members, timeout: float) -> None:

@@ -122,6 +122,7 @@ def worker(
     payload: bytes, spec: tuple[Any, ...], errors: multiprocessing.connection.Connection
 ) -> None:
     parent = os.getppid()  # the forkserver, or this process's spawner
+    # The worker's own assignment, then what every worker's spec shares (`spare`).
     (
         rank,
         world_size,
@@ -131,10 +132,10 @@ def worker(
         settings,
         roles,
         attempt,
+        joining,
         environ,
         outputs,
         alive,
-        joining,
     ) = spec
     _parent.die_with_parent(parent)  # the kernel's signal: needs no GIL
     _watch_parent(alive)
@@ -187,19 +188,17 @@ def spare(
 ) -> None:
     """A worker forked ahead of need (`_spares`): wait for its spec, then be that worker.
 
-    `fixed`: (environ, outputs, alive), the spec's parts every worker shares.
+    `fixed`: (environ, outputs, alive), the spec's parts every worker shares;
+    the assignment is the rest (`worker`'s spec begins with it).
     """
     _parent.die_with_parent(os.getppid())
     try:
-        rank, size, name, host, port, settings, roles, attempt, joining = assignment.recv()
+        assigned = assignment.recv()
     except (EOFError, OSError):  # the world ended before it was needed
         os._exit(0)
     assignment.close()
-    multiprocessing.current_process().name = name  # as a worker started for it is named
-    environ, outputs, alive = fixed
-    spec = (rank, size, name, host, port, settings, roles, attempt, environ, outputs, alive,
-            joining)  # fmt: skip
-    worker(payload, spec, errors)
+    multiprocessing.current_process().name = assigned[2]  # as a worker started for it is named
+    worker(payload, (*assigned, *fixed), errors)
 
 
 def _watch_parent(alive: Connection) -> None:

@@ -266,10 +266,14 @@ def _run_embedded(
     if healer is not None:
         names = healer.names
 
+    def assign(rank: int, attempt: int, joining: Joining | None) -> tuple[Any, ...]:
+        """Worker `rank`'s own part of its spec (a spare is given only this, `_spares`)."""
+        return (rank, len(names), names[rank], host, store.port, settings, roles_now or None,
+                attempt, joining)  # fmt: skip
+
     def spawn(rank: int, attempt: int, joining: Joining | None) -> tuple[BaseProcess, Connection]:
         reader, writer = spawner.Pipe(duplex=False)
-        spec = (rank, len(names), names[rank], host, store.port, settings, roles_now or None,
-                attempt, environ, outputs, alive, joining)  # fmt: skip
+        spec = (*assign(rank, attempt, joining), environ, outputs, alive)
         proc = spawner.Process(
             target=_child.worker, args=(payload, spec, writer), name=names[rank]
         )
@@ -280,11 +284,6 @@ def _run_embedded(
             proc.start()
         writer.close()
         return proc, reader
-
-    def assign(rank: int, attempt: int, joining: Joining) -> tuple[Any, ...]:
-        """What makes a spare worker `rank` (its spec, less what every spec shares)."""
-        return (rank, len(names), names[rank], host, store.port, settings, roles_now or None,
-                attempt, joining)  # fmt: skip
 
     def retire(proc: BaseProcess) -> None:
         procs.remove(proc)
