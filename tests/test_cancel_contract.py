@@ -433,7 +433,9 @@ def test_a_then_future_is_cancelled_while_its_callback_runs_and_the_source_keeps
         release.wait(5)
         return f.wait() + 1
 
-    source = asyncrpc.rpc_async("worker1", echo, args=(1, 0.0))
+    # The source must still run when `then` is called: on a done source torch runs the
+    # callback inline, in this thread, and the child is done before it can be cancelled.
+    source = asyncrpc.rpc_async("worker1", echo, args=(1, 0.5))
     child = source.then(slow)
     assert started.wait(5)
     assert child.cancel() is True  # the source had finished: only the child is cancelled
