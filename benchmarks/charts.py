@@ -16,7 +16,8 @@
                 the kill to its replacement's first answer, asyncrpc healing it
                 in place vs restarting the whole world vs Ray, against the target
     elastic.png benchmarks/elastic.py --json elastic.json: adding 1 and 8 workers
-                (to their first answers) and removing one, asyncrpc vs Ray's actors
+                (to their first answers) and removing one, asyncrpc embedded and
+                under asyncrpc-launch --elastic vs Ray's actors
 
 Every chart names its run's date and machine. A missing JSON file skips its
 chart, with a line saying so.
@@ -278,17 +279,21 @@ def heal_chart(data: dict[str, Any], path: Path) -> None:
 
 def elastic_chart(data: dict[str, Any], path: Path) -> None:
     rows = list(data["rows"])
-    systems = [("asyncrpc (embedded)", COLORS["asyncrpc"]), ("Ray (actors)", COLORS["ray"])]
-    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.9 * len(rows)))
+    systems = [
+        ("asyncrpc (embedded)", COLORS["asyncrpc"]),
+        ("asyncrpc (asyncrpc-launch)", "#17becf"),
+        ("Ray (actors)", COLORS["ray"]),
+    ]
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 1.1 * len(rows)))
     samples = [s for r in rows for got in data["rows"][r]["samples"].values() for s in got]
     for i, row in enumerate(rows):
         found = data["rows"][row]
         for j, (system, color) in enumerate(systems):
             if system not in found["seconds"]:
                 continue
-            y = i + (j - 0.5) * 0.38
+            y = i + (j - 1) * 0.28
             seconds = found["seconds"][system]
-            ax.barh(y, seconds, height=0.34, color=color, label=system if i == 0 else None)
+            ax.barh(y, seconds, height=0.25, color=color, label=system if i == 0 else None)
             ax.plot(found["samples"][system], [y] * len(found["samples"][system]), "k|",
                     markersize=8, alpha=0.6)  # fmt: skip
             ratio = found.get("ray_over_ours")

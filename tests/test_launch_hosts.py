@@ -17,6 +17,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -407,3 +408,51 @@ def test_asyncrpc_dump_on_either_host_sees_every_worker(
     assert all(w["pid"] for w in workers)
     crunch = workers[1]["threads"][0]
     assert crunch["call"] == "crunch()" and crunch["caller"] == "worker0"
+
+
+def test_a_node_joins_a_running_world_and_a_preempted_one_leaves_while_the_run_goes_on(
+    hosts: tuple[Host, Host], tmp_path: pathlib.Path
+) -> None:
+    # Nodes 0 and 1 (one per host) form an elastic world of 4; a third launcher on
+    # host 1 joins it with --join and 2 workers; worker0 has node 1 start one more.
+    # SIGTERM to node 1's launcher (a spot preemption notice): its 3 workers leave,
+    # node 0 and the joined node go on, and every launcher ends 0.
+    status = tmp_path / "status"
+    script = [str(PROGRAMS / "elastic_launch.py"), "nodes", str(status)]
+    launcher = [sys.executable, "-m", "asyncrpc._launch._cli", "--elastic", "--nproc-per-node"]
+    procs = []
+    for rank, host in enumerate(hosts):
+        argv = [*launcher, "2", "--nnodes", "2", "--node-rank", str(rank)]
+        argv += ["--rdzv-endpoint", f"{ADDRESSES[0]}:{PORT}", *script]
+        procs.append(start_program("ip", "netns", "exec", host.namespace, *argv, env={}))
+    joined = [*launcher, "2", "--join", f"{ADDRESSES[0]}:{PORT}", *script]
+    try:
+        deadline = time.monotonic() + 60
+        time.sleep(2)  # node 0's store listens by then; a join before it is refused
+        procs.append(start_program("ip", "netns", "exec", hosts[1].namespace, *joined, env={}))
+        while not status.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status.exists(), "worker0 never saw the joined node"
+        procs[1].send_signal(signal.SIGTERM)  # `ip netns exec` passes it to the launcher
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=90)
+            results.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            proc.kill()
+    result = _result(results)  # every launcher ended 0
+    who = result["who"]
+    assert isinstance(who, dict)
+    nodes = {name: w[3] for name, w in who.items()}
+    assert nodes == {"worker0": "0", "worker1": "0", "worker2": "1", "worker3": "1",
+                     "worker4": "2", "worker5": "2", "worker6": "1"}  # fmt: skip
+    assert result["on_node_1"] == ["worker2", "worker3", "worker6"]
+    left = result["left"]
+    assert isinstance(left, list) and [name for name, _ in left] == result["on_node_1"]
+    assert all("node 1" in why and "preempted by SIGTERM" in why for _, why in left), left
+    after = result["after"]
+    assert isinstance(after, list) and after[0] == "WorkerLeftError"
+    assert result["rest"] == {"worker1": "worker1", "worker4": "worker4", "worker5": "worker5"}
+    assert result["members"] == ["worker0", "worker1", "worker4", "worker5"]
+    assert "its workers ['worker2', 'worker3', 'worker6'] left the world" in results[1][2]

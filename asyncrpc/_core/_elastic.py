@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _membership, _records, _world
+from . import _environ, _membership, _records, _world
 from ._errors import (
     AsyncRPCError,
     JoinTimeoutError,
@@ -105,13 +105,20 @@ def on_members(
 
 
 def add_workers(
-    count: int = 1, *, role: str | None = None, timeout: float | None = None
+    count: int = 1,
+    *,
+    role: str | None = None,
+    timeout: float | None = None,
+    node: int | None = None,
 ) -> tuple[str, ...]:
     """Start `count` new workers in this elastic world; their names, once all can call them.
 
     Each runs the world's `main(ctx)` with a rank never used before here, named
-    `worker<rank>` or, with `role`, by that role's numbering (`actor4`). They
-    fork warm from the world's forkserver. Past `max_world_size` it raises
+    `worker<rank>` or, with `role`, by that role's numbering (`actor4`).
+    Embedded they fork warm from the world's forkserver; under
+    `asyncrpc-launch --elastic` the launcher of the caller's node starts
+    them (or of the node `node` names: its node rank, or a joined node's
+    number). Past `max_world_size` it raises
     `WorldFullError` and starts nothing; a worker that fails to join, or does
     not join within `timeout` s (default: the world's `init_timeout`), makes
     it raise (`RendezvousError`, `JoinTimeoutError`) with none of the new
@@ -133,11 +140,14 @@ def add_workers(
             f"this world names its workers by role ({[r for r, _ in ctx.roles]}); pass "
             f"role=... to add_workers"
         )
+    if node is not None and (not isinstance(node, int) or isinstance(node, bool) or node < 0):
+        raise ValueError(f"node must be a node's rank (an int >= 0) or None, got {node!r}")
     seconds = _seconds(timeout, world, "init_timeout")
     deadline = time.monotonic() + seconds
     # The supervisor's answer is not the join: it is waited for past a short timeout,
     # so that the workers it started are known and can be stopped (`_STOPPED_S`).
-    request = {"op": "add", "count": count, "role": role, "by": ctx.name}
+    where = node if node is not None else _environ.from_env(_environ.NODE_VARIABLE)
+    request = {"op": "add", "count": count, "role": role, "by": ctx.name, "node": where}
     reply = _ask(world, request, max(seconds, _STOPPED_S))
     names = tuple(reply["names"])
     try:
@@ -192,9 +202,10 @@ def _elastic_world(what: str) -> _world.World:
         raise NotElasticError(_not_elastic(what))
     if not _space(world).check(["elastic"]):
         raise NotElasticError(
-            f"{what}: this world was started by asyncrpc-launch, whose launchers do not "
-            f"add or remove workers yet; start it embedded with asyncrpc.run(main, "
-            f"world_size=N, elastic=True)"
+            f"{what}: this world was started by asyncrpc-launch without --elastic, so its "
+            f"launchers do not add or remove workers; launch it with asyncrpc-launch "
+            f"--elastic (or start it embedded with asyncrpc.run(main, world_size=N, "
+            f"elastic=True))"
         )
     return world
 
@@ -203,7 +214,8 @@ def _not_elastic(what: str) -> str:
     return (
         f"{what} needs an elastic world, whose members may change while it runs; this "
         f"one's are fixed: start it with asyncrpc.run(main, world_size=N, elastic=True) "
-        f"(or restart='worker', which is elastic too)"
+        f"(or restart='worker', which is elastic too), or launch it with asyncrpc-launch "
+        f"--elastic (torchrun's and rpc.init_rpc's worlds cannot change)"
     )
 
 
@@ -230,6 +242,8 @@ def _ask(world: _world.World, request: dict[str, Any], seconds: float) -> dict[s
     kind = reply.get("kind")
     if kind == "full":
         raise WorldFullError(f"add_workers({request['count']}): {reply['error']}")
+    if kind == "node":
+        raise ValueError(f"add_workers: {reply['error']}")
     if kind == "unknown":
         raise UnknownWorkerError(f"remove_workers: {reply['error']}")
     if kind is not None:

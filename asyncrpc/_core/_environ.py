@@ -26,6 +26,7 @@ from ._errors import AsyncRPCError
 
 __all__ = (
     "LOOPBACK",
+    "NODE_VARIABLE",
     "Changes",
     "bind_interface",
     "from_env",
@@ -35,6 +36,8 @@ __all__ = (
 )
 
 LOOPBACK = "127.0.0.1"
+# asyncrpc-launch --elastic: the node whose launcher started this worker (its adds start there)
+NODE_VARIABLE = "ASYNCRPC_NODE"
 
 
 @dataclasses.dataclass

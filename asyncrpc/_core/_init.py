@@ -53,6 +53,9 @@ def init(
         raise ValueError("init() needs rank=..., or a RANK environment variable")
     env_world = _environ.from_env("WORLD_SIZE")
     asked = resolve_world_size(world_size, roles)
+    if joining is not None and 0 < joining.size <= rank:
+        # Added to an elastic world: the program's size was checked as the world formed.
+        asked = None
     if asked is not None and env_world is not None and asked != env_world:
         raise WorldSizeMismatchError(
             f"the program asks for world_size={asked} but the launcher started "

@@ -49,9 +49,11 @@ _CLOSE_S = 2.0  # how long the world's end waits for the requests' thread
 class Changes:
     """The requests of an elastic world's members, served by the supervisor that started it.
 
-    `start(rank, joining)`: start the worker of a new rank. `alive()`: the names
-    whose processes run and have joined (they hear of every change).
-    `roles`: each role's count, grown as workers of a role are added.
+    `start(rank, joining, node)`: start the worker of a new rank (on `node`,
+    None: the supervisor's own). `alive()`: the names whose processes run
+    and have joined (they hear of every change). `roles`: each role's count,
+    grown as workers of a role are added. `nodes()`: the nodes that may
+    start workers (`asyncrpc-launch --elastic`: its launchers; else {0}).
     """
 
     def __init__(
@@ -59,8 +61,9 @@ class Changes:
         healer: Healer,
         max_world_size: int | None,
         roles: dict[str, int],
-        start: Callable[[int, Joining], None],
+        start: Callable[[int, Joining, int | None], None],
         alive: Callable[[], set[str]],
+        nodes: Callable[[], set[int]] = lambda: {0},
     ) -> None:
         self.healer = healer
         self.space = healer.space
@@ -68,6 +71,7 @@ class Changes:
         self.roles = roles
         self.start = start
         self.alive = alive
+        self.nodes = nodes
         self.handled = 0  # requests served, in the order their ids were taken
         # name -> (when it is killed if still running, who removed it)
         self.removing: dict[str, tuple[float, str]] = {}
@@ -127,10 +131,22 @@ class Changes:
         if request["op"] == "stop":
             return {"ok": True}
         if request["op"] == "add":
-            return self._add(int(request["count"]), request.get("role"))
+            return self._add(int(request["count"]), request.get("role"), request.get("node"))
+        if request["op"] == "exited":  # another node's launcher saw one of its workers end
+            name, how = str(request["name"]), str(request["how"])
+            if not self.exited(name, how):
+                self.lost(name, how)
+            return {"ok": True}
         return self._remove(list(request["names"]), str(request["by"]), float(request["timeout"]))
 
-    def _add(self, count: int, role: str | None) -> dict[str, Any]:
+    def _add(self, count: int, role: str | None, node: int | None) -> dict[str, Any]:
+        nodes = self.nodes()
+        if node is not None and node not in nodes:
+            return {
+                "kind": "node",
+                "error": f"node={node} is not a node of this world that can start workers "
+                f"(those are {sorted(nodes)}); leave node= out to start them on the caller's",
+            }
         live = _records.live_names(self.space)
         limit = self.max_world_size
         if limit is not None and len(live) + count > limit:
@@ -154,7 +170,7 @@ class Changes:
             self.space.set("names", json.dumps(self.healer.names))
             for rank, name, joining in new:
                 self.adding.add(name)
-                self.start(rank, joining)
+                self.start(rank, joining, node)
         finally:
             _records.end_heal(self.space)
         return {"names": [name for _, name, _ in new]}
@@ -222,6 +238,19 @@ class Changes:
         self._gone(name, "it failed to join")
         self.space.set(f"failed/{name}", how)
         return True
+
+    def lost(self, name: str, how: str) -> None:
+        """A member's process ended unasked where it is not replaced: it left the world.
+
+        Under `asyncrpc-launch --elastic`, an added worker (and any worker of a
+        world that does not heal) that dies leaves; `how`: how it ended.
+        """
+        if name not in _records.live_names(self.space):
+            return  # it left already
+        why = f"it ended unasked ({how})"
+        _records.mark_left(self.space, [name])
+        self._gone(name, why)
+        self.space.set(f"left/{name}", json.dumps({"at": time.time(), "why": why}))
 
     def _gone(self, name: str, why: str) -> None:
         self.healer.forget(name)

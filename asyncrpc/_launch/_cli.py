@@ -143,6 +143,26 @@ def _parser() -> argparse.ArgumentParser:
         "torchrun's agent) or only that worker, in place (asyncrpc.run worlds)",
     )
     parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="members may add and remove workers while the world runs "
+        "(asyncrpc.add_workers, remove_workers), and nodes may join (--join) and leave "
+        "(SIGTERM to their launcher); implies --restart worker",
+    )
+    parser.add_argument(
+        "--max-world-size",
+        type=int,
+        default=None,
+        help="--elastic: the most workers the world may have at once (default: no bound)",
+    )
+    parser.add_argument(
+        "--join",
+        default=None,
+        metavar="HOST:PORT",
+        help="add this node's --nproc-per-node workers to a running --elastic world, whose "
+        "node 0 launcher listens on HOST:PORT",
+    )
+    parser.add_argument(
         "--interface",
         default=None,
         help="network interface the workers' RPC binds to (default: lo on one machine, "
@@ -159,10 +179,18 @@ def build_args(argv: Sequence[str]) -> argparse.Namespace:
     """
     parser = _parser()
     args = parser.parse_args(list(argv))
+    if args.join is not None:
+        args.elastic = True
+        args.rdzv_endpoint = args.join
+    if args.elastic:
+        args.restart = "worker"  # an elastic world's launchers are asyncrpc's own
     try:
         _check(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.restart == "worker" and args.join is not None:
+        _check_endpoint(args.rdzv_endpoint, parser)
+        return args
     if args.restart == "worker":
         _place_store(args)
         _check_endpoint(args.rdzv_endpoint, parser)
@@ -192,8 +220,8 @@ def _place_store(args: argparse.Namespace) -> None:
     _, max_nodes = _node_range(args.nnodes)
     single = max_nodes == 1
     host = args.master_addr
-    if single and not _net.is_loopback(host):
-        host = "127.0.0.1"
+    if single and not args.elastic and not _net.is_loopback(host):
+        host = "127.0.0.1"  # an elastic world's other nodes may join it at --master-addr
     port = args.master_port if args.master_port is not None else (0 if single else 29500)
     args.rdzv_backend = BACKEND
     args.rdzv_endpoint = args.rdzv_endpoint or f"{host}:{port}"
@@ -239,6 +267,16 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--monitor-interval must be a number of seconds above 0, got {args.monitor_interval}"
         )
+    if args.max_world_size is not None and (not args.elastic or args.max_world_size < 1):
+        raise ValueError(
+            f"--max-world-size bounds an elastic world: pass it with --elastic, as a count "
+            f"of workers >= 1, got {args.max_world_size}"
+        )
+    if args.join is not None and (_node_range(args.nnodes) != (1, 1) or args.node_rank != 0):
+        raise ValueError(
+            f"--join gives this node its number from the running world: leave --nnodes and "
+            f"--node-rank out, got --nnodes {args.nnodes} --node-rank {args.node_rank}"
+        )
     if args.restart == "worker":
         _check_worker_restart(args)
     names = sorted(name for _, name in socket.if_nameindex())
@@ -278,7 +316,7 @@ def _check_worker_restart(args: argparse.Namespace) -> None:
                 f"(the workers write to the launcher's own output), got "
                 f"{flag} {getattr(args, field)!r}; leave it out, or use --restart world"
             )
-    if args.max_restarts < 1:
+    if args.max_restarts < 1 and not args.elastic:
         raise ValueError(
             f"--restart worker replaces dead workers at most --max-restarts times, got "
             f"--max-restarts {args.max_restarts}; pass --max-restarts K with K >= 1"

@@ -124,6 +124,21 @@ class Healer:
         self.space.set(f"spawned/{name}", str(fresh))
         return Joining(fresh, self.tag, replacement=True, size=self.size)
 
+    def refresh(self) -> None:
+        """Take in the members added since this healer was made (by another node's launcher).
+
+        Under `asyncrpc-launch --elastic` node 0's launcher adds the workers;
+        the others learn their names and ids from the store when they heal.
+        """
+        names = _records.read_names(self.space, 1.0)
+        for name in names[len(self.names) :]:
+            self.names.append(name)
+            self.attempts[name] = 0
+            published = self._published(name)
+            key = f"spawned/{name}"
+            spawned = int(self.space.get(key).decode()) if self.space.check([key]) else -1
+            self.ids[name] = spawned if spawned >= 0 else (published or self.size)
+
     def tell(self, kind: str, name: str, why: str, names: set[str]) -> None:
         """Tell `names` that `name` is leaving or has left (`kind`); wait for their acks."""
         seq = int(self.space.add("seq", 1))

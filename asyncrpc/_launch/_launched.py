@@ -26,15 +26,25 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from .._core import _context, _init, _world
+from .._core._environ import NODE_VARIABLE
 from .._core._errors import WorkerUnreachableError
 from .._core._liveness import Liveness, describe, leave_world
 from .._core._membership import Joining
 from . import _parent
 
-__all__ = ("JOINING_VARIABLE", "RESTART_VARIABLE", "joining_from_env", "launched", "run_launched")
+__all__ = (
+    "JOINING_VARIABLE",
+    "NAME_VARIABLE",
+    "NODE_VARIABLE",
+    "RESTART_VARIABLE",
+    "joining_from_env",
+    "launched",
+    "run_launched",
+)
 
 RESTART_VARIABLE = "ASYNCRPC_RESTART"  # asyncrpc-launch --restart: "world" or "worker"
-JOINING_VARIABLE = "ASYNCRPC_JOINING"  # --restart worker: "<torch id>,<tag>,<replacement 0|1>"
+JOINING_VARIABLE = "ASYNCRPC_JOINING"  # --restart worker: "<torch id>,<tag>,<0|1>[,<size>]"
+NAME_VARIABLE = "ASYNCRPC_NAME"  # --elastic: an added worker's name (its rank is a new one)
 
 
 def launched() -> bool:
@@ -54,8 +64,11 @@ def run_launched(
     _parent.watch_launcher()  # asyncrpc-launch's workers end with it, SIGKILL included
     joining = joining_from_env()
     options = _as_options(settings)
+    # An added worker (asyncrpc-launch --elastic) has a rank past the size the world
+    # formed with, which the program's world_size= was checked against then.
+    name = os.environ.get(NAME_VARIABLE) or None
     try:
-        ctx = _init.init(world_size=world_size, roles=roles, joining=joining, **options)
+        ctx = _init.init(world_size=world_size, roles=roles, joining=joining, name=name, **options)
     except KeyboardInterrupt:
         _interrupted()
     if joining is not None:
@@ -106,11 +119,12 @@ def joining_from_env() -> Joining | None:
     if not raw:
         return None
     try:
-        torch_id, tag, replacement = raw.split(",")
-        return Joining(int(torch_id), tag, replacement == "1")
-    except ValueError:
+        torch_id, tag, replacement, *size = raw.split(",")
+        return Joining(int(torch_id), tag, replacement == "1", int(size[0]) if size else 0)
+    except (ValueError, IndexError):
         raise ValueError(
-            f"environment variable {JOINING_VARIABLE}={raw!r} is not '<torch id>,<tag>,<0|1>'; "
+            f"environment variable {JOINING_VARIABLE}={raw!r} is not "
+            f"'<torch id>,<tag>,<0|1>[,<size>]'; "
             f"asyncrpc-launch --restart worker sets it for each worker: leave it unset"
         ) from None
 

@@ -43,12 +43,14 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from .._core import _membership, _records, _rendezvous
+from .._core._environ import NODE_VARIABLE
 from .._core._errors import RendezvousError, describe_exit
 from .._core._membership import Joining
 from .._core._torch import PrefixStore, Store
 from . import _parent
 from ._healer import Healer
-from ._launched import JOINING_VARIABLE, RESTART_VARIABLE
+from ._launched import JOINING_VARIABLE, NAME_VARIABLE, RESTART_VARIABLE
+from ._node_changes import NodeChanges
 
 __all__ = ("run",)
 
@@ -73,6 +75,9 @@ class Plan(NamedTuple):
     port: int
     command: list[str]
     max_restarts: int
+    elastic: bool = False  # --elastic: members may add and remove workers (`_node_changes`)
+    max_world_size: int | None = None
+    join: bool = False  # --join: this node joins a running elastic world
 
 
 class _Stopped(Exception):
@@ -89,8 +94,10 @@ def plan(args: argparse.Namespace, nproc: int) -> Plan:
     python = [] if args.no_python else [sys.executable, "-u"] + (["-m"] if args.module else [])
     command = [*python, args.training_script, *args.training_script_args]
     nnodes = int(str(args.nnodes).partition(":")[0])
-    return Plan(args.node_rank, nnodes, nproc, host.strip("[]"), int(port), command,
-                args.max_restarts)  # fmt: skip
+    join = bool(getattr(args, "join", None))
+    return Plan(-1 if join else args.node_rank, nnodes, nproc, host.strip("[]"), int(port),
+                command, args.max_restarts, bool(getattr(args, "elastic", False)),
+                getattr(args, "max_world_size", None), join)  # fmt: skip
 
 
 def run(args: argparse.Namespace, nproc: int) -> int:
@@ -108,13 +115,18 @@ def run(args: argparse.Namespace, nproc: int) -> int:
         except _Stopped as stop:
             if node is None:
                 return _say_stopped(stop.number)
+            if node.grow is not None and node.plan.node > 0:  # a preemption: leave, gracefully
+                return node.grow.leave(stop.number)
             node.stop_workers(stop.number)
             return node.stopped(stop.number)
+        finally:
+            if node is not None and node.grow is not None:
+                node.grow.close()
 
 
 def _store(chosen: Plan) -> Store:
     timeout = 600.0
-    if chosen.node == 0:
+    if chosen.node == 0 and not chosen.join:
         return _rendezvous.host_store(chosen.host, chosen.port, timeout)
     return _rendezvous.client_store(chosen.host, chosen.port, timeout)
 
@@ -150,13 +162,33 @@ class Node:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.healer: Healer | None = None
         self.first = chosen.node * chosen.nproc  # the rank of local worker 0
+        self.tag = TAG
+        self.grow = NodeChanges(self, chosen.max_world_size) if chosen.elastic else None
 
     def start_all(self) -> None:
+        if self.grow is not None and self.plan.join:  # its workers come as node 0 orders
+            self.plan = self.plan._replace(node=self.grow.join())
+            self.first = len(self.procs)
+            return
+        if self.grow is not None and self.plan.node == 0:
+            self.grow.open()
         for local in range(self.plan.nproc):
             self.procs.append(self._start(local, Joining(self.first + local, TAG, False), 0))
 
     def _start(self, local: int, joining: Joining, attempt: int) -> subprocess.Popen[bytes]:
-        rank, size = self.first + local, self.plan.nnodes * self.plan.nproc
+        size = self.plan.nnodes * self.plan.nproc
+        return self.spawn(self.first + local, local, joining._replace(size=size), attempt, size)
+
+    def spawn(
+        self,
+        rank: int,
+        local: int,
+        joining: Joining,
+        attempt: int,
+        size: int,
+        name: str | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Start the worker of `rank` (`name`: an added worker's, with a rank of its own)."""
         env = dict(os.environ)
         env.update(
             RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(size),
@@ -166,22 +198,33 @@ class Node:
             TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(attempt),
             TORCHELASTIC_MAX_RESTARTS=str(self.plan.max_restarts),
             **{RESTART_VARIABLE: "worker", _parent.LAUNCHER_VARIABLE: str(os.getpid()),
-               JOINING_VARIABLE: f"{joining.torch_id},{joining.tag},{int(joining.replacement)}"},
+               JOINING_VARIABLE: f"{joining.torch_id},{joining.tag},{int(joining.replacement)},"
+                                 f"{joining.size}",
+               NODE_VARIABLE: str(self.plan.node)},
         )  # fmt: skip
+        if name is not None:
+            env[NAME_VARIABLE] = name
+        if name is not None and self.grow is not None:  # an added worker: the spare, if any
+            warm = self.grow.spare.use(env)
+            self.grow.spare.start()  # the next one's
+            if warm is not None:
+                return warm
         # A session of its own: a terminal's Ctrl-C reaches this launcher, which stops them.
         return subprocess.Popen(self.plan.command, env=env, start_new_session=True)
 
     def watch(self) -> int:
         """Heal this node's workers until each is done; the exit status (0, or 1: failed)."""
-        running = set(range(self.plan.nproc))
+        running = set(range(len(self.procs)))
         next_look = time.monotonic() + _STORE_EVERY_S
-        while running:
+        while running or (self.grow is not None and self.grow.keeps_running()):
             for local in sorted(running):
                 code = self.procs[local].poll()
                 if code is None:
                     continue
                 try:
-                    if code == 0 and self._world_ended():
+                    if (code == 0 and self.world_ended()) or (
+                        self.grow is not None and self.grow.took_exit(self.first + local, code)
+                    ):  # done, or it left the world
                         running.discard(local)
                         continue
                     failure = self._replace(local, code)
@@ -189,6 +232,11 @@ class Node:
                     return self._failed(self._store_gone(exc), own=False)
                 if failure is not None:
                     return self._failed(failure, own=True)
+            try:
+                if self.grow is not None:
+                    self.grow.turn()
+            except _STORE_GONE as exc:
+                return self._failed(self._store_gone(exc), own=False)
             if time.monotonic() >= next_look:
                 next_look = time.monotonic() + _STORE_EVERY_S
                 elsewhere = self._failure_elsewhere()
@@ -197,7 +245,23 @@ class Node:
             time.sleep(_POLL_S)
         return self._done()
 
-    def _world_ended(self) -> bool:
+    def formed_healer(self) -> Healer | None:
+        """The healer of this node's world once it formed (it replaces and adds), else None."""
+        if self.healer is None:
+            names = self._names()
+            if names is None or not _records.formed(self.heal, names):
+                return None
+            self._new_healer(names)
+        return self.healer
+
+    def _new_healer(self, names: tuple[str, ...]) -> None:
+        size = self.plan.nnodes * self.plan.nproc  # the names the world formed with
+        self.healer = Healer(self.store, TAG, names[:size], self.plan.max_restarts)
+        self.healer.alive = self._runs
+        if len(names) > size:
+            self.healer.refresh()
+
+    def world_ended(self) -> bool:
         """True once the world ends, or when it never formed (a script without asyncrpc.run)."""
         return not self.heal.check(["names"]) or bool(_records.read_state(self.heal)["ending"])
 
@@ -211,6 +275,8 @@ class Node:
 
     def _names(self) -> tuple[str, ...] | None:
         if self.healer is not None:
+            if self.grow is not None:
+                self.healer.refresh()  # members another launcher added
             return tuple(self.healer.names)
         if not self.heal.check(["names"]):
             return None
@@ -226,8 +292,8 @@ class Node:
             return (f"{who} while the world was starting (before every worker was ready), "
                     f"which cannot replace it; start the run again")  # fmt: skip
         if self.healer is None:
-            self.healer = Healer(self.store, TAG, names, self.plan.max_restarts)
-            self.healer.alive = self._runs
+            self._new_healer(names)
+        assert self.healer is not None
         healer, name = self.healer, names[rank]
         retry = name in healer.retry
         unjoined = healer.joining() - {name}  # they have nothing to forget
@@ -237,6 +303,9 @@ class Node:
         joining = healer.replace(rank, how, set(names) - dead - unjoined)
         if joining is None:
             limit = self.plan.max_restarts
+            if healer.count > limit and limit == 0:  # --elastic alone: no restarts
+                return (f"{who}, which ends the world (launch with --max-restarts K to "
+                        f"replace a dead worker in place)")  # fmt: skip
             if healer.count > limit:
                 return (f"{who}; the world replaced workers {limit} times "
                         f"(--max-restarts {limit}), so this failure ends it")  # fmt: skip
@@ -257,6 +326,8 @@ class Node:
     def _runs(self, name: str) -> bool:
         """Whether this node's process for `name` still runs (True for other nodes' names)."""
         assert self.healer is not None
+        if self.grow is not None and name in self.grow.extras:
+            return self.grow.extras[name].poll() is None
         local = self.healer.names.index(name) - self.first
         return not 0 <= local < len(self.procs) or self.procs[local].poll() is None
 
@@ -319,7 +390,8 @@ class Node:
         """Node 0: wait (bounded) until every other node set `what/<node>`; False on a failure."""
         if self.plan.node != 0:
             return True
-        keys = [f"{what}/{n}" for n in range(1, self.plan.nnodes)]
+        nodes = int(self.heal.add("nodes", 0)) if self.grow is not None else self.plan.nnodes
+        keys = [f"{what}/{n}" for n in range(1, max(nodes, self.plan.nnodes))]
         deadline = time.monotonic() + timeout
         while keys and not self.space.check(keys) and time.monotonic() < deadline:
             if what == "left" and self.space.check(["failed"]):
@@ -336,7 +408,8 @@ class Node:
 
     def stop_workers(self, number: int) -> None:
         """Send `number` to the workers still running; SIGKILL those left after a grace period."""
-        live = [proc for proc in self.procs if proc.poll() is None]
+        extras = list(self.grow.extras.values()) if self.grow is not None else []
+        live = [proc for proc in self.procs + extras if proc.poll() is None]
         for proc in live:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(number)

@@ -99,7 +99,7 @@ def changes_for(
     healer = healing.healer
     running = healing.running
 
-    def start(rank: int, joining: Joining) -> None:
+    def start(rank: int, joining: Joining, node: int | None) -> None:
         warm = healing.warm(rank, 0, joining)
         if warm is None:
             procs.append(None)  # type: ignore[arg-type]  # set by _start at once
