@@ -153,6 +153,7 @@ def test_a_fixed_world_says_it_does_not_grow() -> None:
     assert fixed["members"] == ["worker0", "worker1"]
     for verb in ("add", "remove", "watch"):
         assert fixed[verb][0] == "NotElasticError" and "elastic=True" in fixed[verb][1]
+        assert "asyncrpc-launch --elastic" in fixed[verb][1]
 
 
 def _main(ctx: asyncrpc.Context) -> None:

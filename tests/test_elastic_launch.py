@@ -55,8 +55,14 @@ def test_an_elastic_launch_adds_and_removes_workers_in_new_interpreters() -> Non
     assert full[0] == "ValueError" and "node=7" in full[1] and "[0]" in full[1]
     events = result["events"]
     assert isinstance(events, list)
-    assert sorted(e[1] for e in events if e[0] == "Joined") == ["worker2", "worker3"]
+    assert sorted(e[1] for e in events if e[0] == "Joined") == ["worker2", "worker3", "worker4"]
     assert ["Left", "worker3", "removed by worker0"] in events
+    killed = result["killed"]
+    assert isinstance(killed, list) and killed[1] == "worker4"
+    assert "ended unasked" in killed[2] and "SIGKILL" in killed[2], killed
+    after_kill = result["after_kill"]
+    assert isinstance(after_kill, list) and after_kill[0] == "WorkerLeftError", after_kill
+    assert result["members_after_kill"] == ["worker0", "worker1", "worker2"]
 
 
 def test_join_refuses_a_world_launched_without_elastic() -> None:

@@ -5,7 +5,8 @@
 
 SCENARIO:
   grow   one node: add_workers (new interpreters) with calls, a handle and a stream on
-         them, remove_workers of one running a call, events, the launcher's errors
+         them, remove_workers of one running a call, events, the launcher's errors, an
+         added worker killed (it leaves)
   nodes  node 0 waits for a node that joins (--join) with 2 workers, calls every
          member, then writes "ready" to STATUS_FILE; the test sends SIGTERM to node 1's
          launcher, whose workers leave (stopping() turns True there); node 0 sees them
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import socket
 import sys
 import threading
@@ -99,6 +101,12 @@ def grow(ctx: asyncrpc.Context) -> dict[str, Any]:
         "full": _error(lambda: asyncrpc.add_workers(1, node=7)),
     }
     _wait_for(lambda: any(e[0] == "Left" for e in EVENTS))
+    victim = asyncrpc.add_workers(1)[0]  # killed: an added worker that dies leaves
+    os.kill(asyncrpc.rpc_sync(victim, whoami)[4], signal.SIGKILL)
+    _wait_for(lambda: any(e[0] == "Left" and e[1] == victim for e in EVENTS))
+    out["killed"] = next(e for e in EVENTS if e[0] == "Left" and e[1] == victim)
+    out["after_kill"] = _error(lambda: asyncrpc.rpc_sync(victim, whoami))
+    out["members_after_kill"] = list(asyncrpc.members())
     out["events"] = EVENTS
     return out
 
