@@ -212,6 +212,18 @@ def test_random_adds_removes_kills_and_calls_keep_the_model() -> None:
     assert "every example kept the model" in done.stdout, done.stdout[-3000:]
 
 
+def test_a_trace_open_while_members_change_marks_the_joins_and_leaves() -> None:
+    traced = _run("traced")[1]["traced"]
+    assert traced["workers"] == ["worker0", "worker1"]  # the members as it opened
+    # worker1 left while it recorded: its recording left with it, and says so.
+    assert traced["processes"] == ["worker0", "worker1 (left during the trace: not recorded)"]
+    assert traced["marks"] == [
+        ["worker0", "worker1 left (removed by worker0)"],
+        ["worker0", "worker2 joined"],
+    ]
+    assert traced["again"] == ["worker0", "worker2"]  # a later trace: the members now
+
+
 def test_a_dump_lists_the_members_now_with_joins_and_leaves() -> None:
     dump = _run("dump")[1]["dump"]
     assert dump["code"] == 0, dump["err"][-2000:]

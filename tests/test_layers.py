@@ -102,6 +102,7 @@ INSIDE: dict[str, list[str]] = {
     "_trace": ["_timeline", "_render", "_trace"],
     "_launch": [
         "_parent",
+        "_warm",
         "_child",
         "_forkserver",
         "_launched",
@@ -110,6 +111,7 @@ INSIDE: dict[str, list[str]] = {
         "_spares",
         "_replacing",
         "_supervisor",
+        "_node_changes",
         "_nodes",
         "_cli",
     ],

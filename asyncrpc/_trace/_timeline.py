@@ -6,6 +6,7 @@ merge puts everything on the caller's clock, in microseconds from the first
 event::
 
     worker part: profiler events (pid = OS pid) + call spans ("call", "run", id)
+                 + marks of joins and leaves ("member": an instant on the worker)
       `-> process per worker (pid = rank + 1, named by worker and, for a replacement
           in a world that heals, its attempt), its threads named,
           call spans on lanes of their own ("calls out", "calls in"),
@@ -24,8 +25,10 @@ from typing import Any
 __all__ = ("merge", "write")
 
 CATEGORY = "asyncrpc"
-_LANE_TID = types.MappingProxyType({"call": 1_000_000_000, "run": 1_100_000_000})
-_LANE_NAME = types.MappingProxyType({"call": "calls out", "run": "calls in"})
+_LANE_TID = types.MappingProxyType(
+    {"call": 1_000_000_000, "run": 1_100_000_000, "member": 1_200_000_000}
+)
+_LANE_NAME = types.MappingProxyType({"call": "calls out", "run": "calls in", "member": "members"})
 _KEPT_PHASES = frozenset({"X", "i", "I"})
 
 
@@ -80,6 +83,11 @@ def _lane_spans(
     placed = []
     for span in sorted(spans, key=lambda s: (s["start"], s["end"])):
         kind, start, end = span["kind"], span["start"] / 1000, span["end"] / 1000
+        if kind == "member":  # a join or leave: a mark across the worker's timeline
+            placed.append({"ph": "i", "s": "p", "cat": CATEGORY, "name": span["name"],
+                           "pid": pid, "tid": _LANE_TID[kind], "ts": start + shift_us,
+                           "args": {"kind": kind}})  # fmt: skip
+            continue
         ends = lane_ends[kind]
         lane = next((i for i, e in enumerate(ends) if e <= start), len(ends))
         if lane == len(ends):

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from .._core import _calls, _runtime, _torch, _world
-from .._core._errors import AsyncRPCError, CancelledError
+from .._core import _calls, _elastic, _runtime, _torch, _world
+from .._core._errors import AsyncRPCError, CancelledError, WorkerUnreachableError
 from .._core._execution import Kind, classify
 from . import _timeline
 
@@ -60,6 +60,7 @@ class _Recorder:
         self._error: BaseException | None = None
         self._text = ""
         self._export = True  # False: stopped by the world's end, nobody reads the trace
+        self.unregister: Callable[[], object] = lambda: None  # its members' callback
         # torch's profiler is started and stopped on one thread; RPC calls may not be.
         self._thread = threading.Thread(target=self._record, name="asyncrpc-trace", daemon=True)
 
@@ -112,6 +113,15 @@ class _Recorder:
         self.threads.setdefault(*thread)
         self.spans.append({**span, "tid": thread[0]})
 
+    def member(self, event: Any) -> None:
+        """A change of the world's members, marked on this worker's timeline."""
+        kind = type(event).__name__  # Joined, Left, Replaced
+        why = getattr(event, "reason", "")
+        text = f"{event.name} {kind.lower()}" + (f" ({why})" if why else "")
+        now = time.time_ns()
+        self.add({"kind": "member", "name": text, "start": now, "end": now, "id": 0},
+                 _this_thread())  # fmt: skip
+
 
 class _Recording:
     """This worker's trace state in its world (a part): the recorder while one records.
@@ -132,6 +142,7 @@ class _Recording:
             if recorder is not None:
                 _calls.set_outgoing_hook(None)
         if recorder is not None:
+            recorder.unregister()
             recorder.abandon()
 
 
@@ -275,6 +286,8 @@ def _begin(session: str) -> dict[str, Any]:
         recorder.start()
         state.recorder = recorder
         _calls.set_outgoing_hook(outgoing)
+        if _world.current_world("asyncrpc.trace()").members is not None:  # joins and leaves
+            recorder.unregister = _elastic.on_members(recorder.member)
     return {"boot": _boot_id(), "pid": os.getpid()}
 
 
@@ -290,6 +303,7 @@ def _finish(session: str) -> dict[str, Any]:
             raise AsyncRPCError(f"no trace {session} is recording on this worker")
         state.recorder = None
         _calls.set_outgoing_hook(None)
+    recorder.unregister()
     text = recorder.finish()
     threads = dict(recorder.threads)
     for thread in threading.enumerate():
@@ -395,14 +409,15 @@ def _begin_everywhere(
 
 
 def _traced_workers(ctx: _world.Context, workers: Sequence[str] | None) -> list[str]:
+    members = _elastic.members()  # an elastic world's members now
     if workers is None:
-        return list(ctx.names)
+        return list(members)
     if isinstance(workers, str):
         raise TypeError(f"workers must be a list of names, got the string {workers!r}")
-    unknown = [w for w in workers if w not in ctx.names]
+    unknown = [w for w in workers if w not in members]
     if unknown:
-        raise ValueError(f"workers {unknown} are not in this world; its workers: {ctx.names}")
-    return [n for n in ctx.names if n in workers or n == ctx.name]
+        raise ValueError(f"workers {unknown} are not in this world; its workers: {members}")
+    return [n for n in members if n in workers or n == ctx.name]
 
 
 def _collect(session: str, started: list[str], me: str) -> dict[str, dict[str, Any]]:
@@ -412,5 +427,12 @@ def _collect(session: str, started: list[str], me: str) -> dict[str, dict[str, A
                for n in started if n != me}  # fmt: skip
     parts = {me: _finish(session)} if me in started else {}
     for name, fut in futures.items():
-        parts[name] = fut.wait()
+        try:
+            parts[name] = fut.wait()
+        except (WorkerUnreachableError, RuntimeError):
+            if name in _elastic.members():
+                raise
+            # It left the world while the trace recorded: its recording left with it.
+            parts[name] = {"trace": "", "spans": [], "threads": {}, "pid": -1,
+                           "label": f"{name} (left during the trace: not recorded)"}  # fmt: skip
     return parts

@@ -11,6 +11,7 @@ SCENARIO:
            running call fails with WorkerLeftError
   heal     elastic and healing: an added worker killed is replaced under its name
   dump     asyncrpc-dump of a world that grew and shrank
+  traced   a trace open while a worker joins and another leaves
   edges    a timeout shorter than the supervisor's answer; the supervisor's fds over
            adds and removes; a removed worker whose main never returns (the world ends)
   fixed    a world that does not grow: the verbs say so
@@ -235,6 +236,23 @@ def dump(ctx: asyncrpc.Context) -> None:
     emit("dump", code=done.returncode, dump=json.loads(done.stdout or "{}"), err=done.stderr)
 
 
+def traced(ctx: asyncrpc.Context) -> None:
+    path = DIR / "trace.json"
+    with asyncrpc.trace(path) as recorded:
+        asyncrpc.rpc_sync("worker1", whoami)
+        added = asyncrpc.add_workers(1)  # joins while the trace records
+        asyncrpc.rpc_sync(added[0], whoami)
+        asyncrpc.remove_workers("worker1")  # leaves while the trace records
+    events = json.loads(path.read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    marks = [[processes[e["pid"]], e["name"]] for e in events
+             if e.get("ph") == "i" and e.get("cat") == "asyncrpc"]  # fmt: skip
+    with asyncrpc.trace(DIR / "again.json") as again:  # the members now are recorded
+        asyncrpc.rpc_sync(added[0], whoami)
+    emit("traced", workers=list(recorded.workers), processes=sorted(processes.values()),
+         marks=sorted(marks), again=list(again.workers))  # fmt: skip
+
+
 def edges(ctx: asyncrpc.Context) -> None:
     tiny = _error(lambda: asyncrpc.add_workers(1, timeout=0.005))
     after_tiny = list(asyncrpc.members())
@@ -257,7 +275,9 @@ def fixed(ctx: asyncrpc.Context) -> None:
          watch=_error(lambda: asyncrpc.on_members(print)))  # fmt: skip
 
 
-SCENARIOS = {f.__name__: f for f in (basic, failjoin, timeout, stuck, heal, dump, edges, fixed)}
+SCENARIOS = {
+    f.__name__: f for f in (basic, failjoin, timeout, stuck, heal, dump, traced, edges, fixed)
+}
 
 
 def main(ctx: asyncrpc.Context, scenario: str) -> None:
