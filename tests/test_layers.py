@@ -102,6 +102,7 @@ INSIDE: dict[str, list[str]] = {
     "_trace": ["_timeline", "_render", "_trace"],
     "_launch": [
         "_parent",
+        "_signals",
         "_warm",
         "_child",
         "_forkserver",

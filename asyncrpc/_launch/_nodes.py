@@ -36,8 +36,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from types import FrameType
 from typing import NamedTuple
 
 import torch.distributed as dist
@@ -51,6 +49,7 @@ from . import _parent
 from ._healer import Healer
 from ._launched import JOINING_VARIABLE, NAME_VARIABLE, RESTART_VARIABLE
 from ._node_changes import NodeChanges
+from ._signals import Stopped, say_stopped, stop_on_signals, stop_reason
 
 __all__ = ("run",)
 
@@ -60,7 +59,6 @@ _STORE_EVERY_S = 0.25  # ... and at the store (a failure on another node)
 _LINGER_S = 5.0  # how long node 0 keeps its store for the others to read a failure
 _END_WAIT_S = 60.0  # ... and for the other nodes' workers to leave at the end
 _KILLED_S = 5.0  # how long a SIGKILLed worker may take to be gone
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Raised by a store operation when node 0's launcher (the store's host) has ended.
 _STORE_GONE = (RuntimeError, dist.DistNetworkError)
 
@@ -80,14 +78,6 @@ class Plan(NamedTuple):
     join: bool = False  # --join: this node joins a running elastic world
 
 
-class _Stopped(Exception):
-    """A signal asked this launcher to stop."""
-
-    def __init__(self, number: int) -> None:
-        super().__init__(number)
-        self.number = number
-
-
 def plan(args: argparse.Namespace, nproc: int) -> Plan:
     """The `Plan` of checked launcher arguments (`_cli.build_args`)."""
     host, _, port = args.rdzv_endpoint.rpartition(":")
@@ -104,7 +94,7 @@ def run(args: argparse.Namespace, nproc: int) -> int:
     """Run this node's `nproc` workers, healing them in place; the launcher's exit status."""
     chosen = plan(args, nproc)
     node: Node | None = None
-    with _stop_on_signals():
+    with stop_on_signals():
         try:
             node = Node(chosen, _store(chosen))
             node.start_all()
@@ -112,9 +102,9 @@ def run(args: argparse.Namespace, nproc: int) -> int:
         except RendezvousError as exc:
             print(f"asyncrpc-launch: {exc}", file=sys.stderr, flush=True)
             return 1
-        except _Stopped as stop:
+        except Stopped as stop:
             if node is None:
-                return _say_stopped(stop.number)
+                return say_stopped(stop.number)
             if node.grow is not None and node.plan.node > 0:  # a preemption: leave, gracefully
                 return node.grow.leave(stop.number)
             node.stop_workers(stop.number)
@@ -129,25 +119,6 @@ def _store(chosen: Plan) -> Store:
     if chosen.node == 0 and not chosen.join:
         return _rendezvous.host_store(chosen.host, chosen.port, timeout)
     return _rendezvous.client_store(chosen.host, chosen.port, timeout)
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """Turn the first stopping signal into `_Stopped` in the main thread; later ones are held."""
-    stopping = False
-
-    def stop(number: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            raise _Stopped(number)
-
-    before = {number: signal.signal(number, stop) for number in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for number, handler in before.items():
-            signal.signal(number, handler)
 
 
 class Node:
@@ -403,8 +374,8 @@ class Node:
         """After a signal stopped this node: the other nodes told, one line; 128 + the signal."""
         where = f"asyncrpc-launch on node {self.plan.node} ({socket.gethostname()})"
         with contextlib.suppress(*_STORE_GONE):
-            self.space.compare_set("failed", "", f"{where} was {_stop_reason(number)}")
-        return _say_stopped(number)
+            self.space.compare_set("failed", "", f"{where} was {stop_reason(number)}")
+        return say_stopped(number)
 
     def stop_workers(self, number: int) -> None:
         """Send `number` to the workers still running; SIGKILL those left after a grace period."""
@@ -420,14 +391,3 @@ class Node:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def _stop_reason(number: int) -> str:
-    name = signal.Signals(number).name
-    return "interrupted (Ctrl-C)" if number == signal.SIGINT else f"ended by {name}"
-
-
-def _say_stopped(number: int) -> int:
-    print(f"asyncrpc-launch: {_stop_reason(number)}; the workers were stopped",
-          file=sys.stderr, flush=True)  # fmt: skip
-    return 128 + number
