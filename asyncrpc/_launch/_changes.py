@@ -154,7 +154,8 @@ class Changes:
                 "kind": "full",
                 "error": f"the world has {len(live)} workers and max_world_size={limit}, so "
                 f"{count} more would make {len(live) + count}; nothing was started: remove "
-                f"workers first, or start the world with a larger max_world_size",
+                f"workers first, or start the world with a larger max_world_size "
+                f"(asyncrpc-launch: --max-world-size)",
             }
         if not _records.begin_change(self.space):
             return {"kind": "ending", "error": "every main has returned: the world is ending"}

@@ -37,6 +37,7 @@ __all__ = ("Healer",)
 _ACK_S = 30.0
 _POLL_S = 0.005
 _NONE_ALIVE = "-1"  # spawned/<name> while no process of it lives
+_ENDING_EVERY_S = 0.1  # how often a wait for acks looks whether the world ends
 
 
 class Healer:
@@ -237,9 +238,14 @@ class Healer:
     def _wait_for_acks(self, seq: int, names: set[str]) -> None:
         waiting = {name: f"{seq}/ack/{name}" for name in names}
         deadline = time.monotonic() + _ACK_S
+        next_look = time.monotonic() + _ENDING_EVERY_S
         while waiting and time.monotonic() < deadline:
             for name, key in list(waiting.items()):
                 if self.space.check([key]) or not self.running(name):
                     del waiting[name]
+            if waiting and time.monotonic() >= next_look:
+                next_look = time.monotonic() + _ENDING_EVERY_S
+                if self.ending():  # every main returned: members end, none need wait
+                    return
             if waiting:
                 time.sleep(_POLL_S)

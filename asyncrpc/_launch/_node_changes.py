@@ -124,6 +124,8 @@ class NodeChanges:
             del self.extras[name]
             if code != 0 or not self.node.world_ended():
                 self.report(name, describe_exit(code))
+            else:
+                self.dead(name)
         if self.me != 0 and time.monotonic() >= self.next_kills:
             self.next_kills = time.monotonic() + _KILLS_EVERY_S
             for name, proc in self._local().items():
@@ -175,6 +177,9 @@ class NodeChanges:
                 return
             self.orders += 1
             rank, name, torch_id, size, world_size = json.loads(self.heal.get(key).decode())
+            if self.leaving:  # the add fails: none of its workers stays
+                self.report(str(name), f"was not started: node {self.me} left the world")
+                continue
             joining = Joining(int(torch_id), self.node.tag, True, int(size))
             self.start(int(rank), str(name), joining, int(world_size))
 
@@ -200,11 +205,20 @@ class NodeChanges:
         self.report(name, describe_exit(code))
         return True
 
+    def dead(self, name: str) -> None:
+        """`name`'s process ended here: node 0 waits for no word from it (`Healer.running`).
+
+        At once, before node 0 hears why: it waits for none from its own dead ones.
+        """
+        self.heal.set(f"spawned/{name}", "-1")
+
+    def name_of(self, rank: int) -> str | None:
+        names = _records.read_names(self.heal, 1.0) if self.heal.check(["names"]) else ()
+        return names[rank] if rank < len(names) else None
+
     def report(self, name: str, how: str) -> None:
         """Tell node 0 that `name`'s process ended (`how`), where it is a change of members."""
-        # At once, before node 0 serves it: node 0 waits for no word from a dead process
-        # (`Healer.running`), as it waits for none from its own dead ones.
-        self.heal.set(f"spawned/{name}", "-1")
+        self.dead(name)
         if self.me == 0:
             if self.changes is not None and not self.changes.exited(name, how):
                 self.changes.lost(name, how)
@@ -213,14 +227,20 @@ class NodeChanges:
 
     def leave(self, number: int) -> int:
         """A signal asked this node (not node 0) to go: its workers leave the world; 0."""
-        self.leaving = True
-        self.heal.set(f"gone_node/{self.me}", "1")
+        self.leaving = True  # from now on, orders are refused (`_take_orders`)
+        self.heal.set(f"gone_node/{self.me}", "1")  # and node 0 sends none
+        signame = signal.Signals(number).name
+        for name in [n for n in self.extras if not self.heal.check([f"joined/{n}"])]:
+            proc = self.extras.pop(name)  # still joining: it never becomes a member
+            proc.kill()
+            proc.wait()
+            self.report(name, f"was stopped as it joined: node {self.me} left the world")
         live = set(_records.live_names(self.heal)) if self.heal.check(["names"]) else set()
         mine = sorted(n for n, p in self._local().items() if p.poll() is None and n in live)
-        signame = signal.Signals(number).name
         why = f"node {self.me} ({socket.gethostname()}), preempted by {signame}"
-        if mine:
-            self._send({"op": "remove", "names": mine, "by": why, "timeout": _LEAVE_S})
+        # Asked even for none: once node 0 answers, every add it served before has its
+        # orders written, and the loop below refuses them.
+        self._ask({"op": "remove", "names": mine, "by": why, "timeout": _LEAVE_S})
         deadline = time.monotonic() + _LEAVE_S + 5.0
         running = set(range(len(self.node.procs)))
         while (running or self.extras) and time.monotonic() < deadline:

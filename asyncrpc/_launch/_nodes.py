@@ -193,10 +193,12 @@ class Node:
                 if code is None:
                     continue
                 try:
-                    if (code == 0 and self.world_ended()) or (
-                        self.grow is not None and self.grow.took_exit(self.first + local, code)
-                    ):  # done, or it left the world
+                    if code == 0 and self.world_ended():  # done
                         running.discard(local)
+                        self._ended(self.first + local)
+                        continue
+                    if self.grow is not None and self.grow.took_exit(self.first + local, code):
+                        running.discard(local)  # it left the world
                         continue
                     failure = self._replace(local, code)
                 except _STORE_GONE as exc:
@@ -215,6 +217,12 @@ class Node:
                     return self._failed(elsewhere, own=False)
             time.sleep(_POLL_S)
         return self._done()
+
+    def _ended(self, rank: int) -> None:
+        """Worker `rank` ended with the world: node 0 waits for no word from it any more."""
+        name = self.grow.name_of(rank) if self.grow is not None else None
+        if self.grow is not None and name is not None:
+            self.grow.dead(name)
 
     def formed_healer(self) -> Healer | None:
         """The healer of this node's world once it formed (it replaces and adds), else None."""
