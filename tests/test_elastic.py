@@ -196,8 +196,13 @@ def test_the_verbs_outside_a_world_say_so() -> None:
     assert done.stdout.count("named:") == 5, done.stdout
 
 
-def test_the_example_grows_and_shrinks_its_pool_and_loses_no_task() -> None:
-    done = run_program("python", str(ROOT / "examples" / "elastic.py"), timeout=90)
+@pytest.mark.parametrize("launched", [False, True], ids=["embedded", "asyncrpc-launch"])
+def test_the_example_grows_and_shrinks_its_pool_and_loses_no_task(launched: bool) -> None:
+    example = str(ROOT / "examples" / "elastic.py")
+    # Under the launcher each added actor is a new interpreter its launcher starts.
+    launch = ("python", "-m", "asyncrpc._launch._cli", "--elastic", "--nproc-per-node", "2")
+    command = (*launch, example) if launched else ("python", example)
+    done = run_program(*command, timeout=110)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert "pool grew to 3 actors" in lines[0] and "pool grew to 5 actors" in lines[1]
