@@ -24,6 +24,7 @@ world's end.
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import socket
@@ -57,6 +58,7 @@ class NodeChanges:
         self.heal = node.heal
         self.max_world_size = max_world_size
         self.extras: dict[str, subprocess.Popen[bytes]] = {}  # added workers started here
+        self.locals: dict[str, int] = {}  # their LOCAL_RANKs: past the first workers' ones
         self.changes: Changes | None = None  # node 0's, once the world formed
         self.orders = 0  # orders taken from order/<node>/
         self.leaving = False  # a signal made this node leave the world
@@ -70,24 +72,38 @@ class NodeChanges:
         return self.node.plan.node
 
     def open(self) -> None:
-        """Node 0, before its workers start: the world is elastic, and has its nodes."""
-        self.heal.set("elastic", json.dumps({"max_world_size": self.max_world_size}))
-        self.heal.add("nodes", self.node.plan.nnodes)
+        """Node 0, before its workers start: the world's nodes and size, then that it is elastic.
 
-    def join(self) -> int:
-        """`--join`: take a node number and ask node 0 for this node's workers; the number."""
+        `elastic` last: a `--join` reads the others once it sees it.
+        """
+        self.heal.add("nodes", self.node.plan.nnodes)
+        self.heal.set("formed_size", str(self.node.size))
+        self.heal.set("elastic", json.dumps({"max_world_size": self.max_world_size}))
+
+    def join(self) -> tuple[int, int]:
+        """`--join`: a node number, and node 0 asked for this node's workers.
+
+        Returns (the number, the world's size as it formed).
+        """
         if not self.heal.check(["elastic"]):
             raise RendezvousError(
                 f"--join {self.node.plan.host}:{self.node.port}: that world was not launched "
                 f"with --elastic, so it cannot grow; launch it with asyncrpc-launch --elastic"
             )
         me = int(self.heal.add("nodes", 1)) - 1
-        reply = self._ask({"op": "add", "count": self.node.plan.nproc, "role": None,
-                           "by": f"node {me} ({socket.gethostname()})", "node": me})  # fmt: skip
-        if "error" in reply:
-            raise RendezvousError(f"--join: node 0 did not add this node's workers: "
-                                  f"{reply['error']}")  # fmt: skip
-        return me
+        by = f"node {me} ({socket.gethostname()})"
+        try:
+            reply = self._ask({"op": "add", "count": self.node.plan.nproc, "role": None,
+                               "by": by, "node": me})  # fmt: skip
+            if "error" in reply:
+                raise RendezvousError(f"--join: node 0 did not add this node's workers: "
+                                      f"{reply['error']}")  # fmt: skip
+        except BaseException:
+            # Not a node of the world: no add goes to it, node 0's end does not wait for it.
+            self.heal.set(f"gone_node/{me}", "1")
+            self.node.space.set(f"left/{me}", "1")
+            raise
+        return me, int(self.heal.get("formed_size").decode())
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         rid = self._send(request)
@@ -185,8 +201,20 @@ class NodeChanges:
 
     def start(self, rank: int, name: str, joining: Joining, world_size: int) -> None:
         """Start the added worker `name` (rank `rank`) on this node."""
-        local = len(self.node.procs) + len(self.extras)
+        taken = {self.locals[n] for n in self.extras}
+        local = next(i for i in itertools.count(len(self.node.procs)) if i not in taken)
+        self.locals[name] = local
         self.extras[name] = self.node.spawn(rank, local, joining, 0, world_size, name)
+
+    def stop_joining(self, joining: set[str]) -> list[str]:
+        """Kill this node's added workers still joining (a first worker died); their names."""
+        stopped = []
+        for name in sorted(joining & set(self.extras)):
+            proc = self.extras.pop(name)
+            proc.kill()
+            proc.wait()
+            stopped.append(name)
+        return stopped
 
     def _local(self) -> dict[str, subprocess.Popen[bytes]]:
         """This node's worker processes by name, those it started with and those added."""
@@ -241,6 +269,7 @@ class NodeChanges:
         # Asked even for none: once node 0 answers, every add it served before has its
         # orders written, and the loop below refuses them.
         self._ask({"op": "remove", "names": mine, "by": why, "timeout": _LEAVE_S})
+        self._take_orders()  # refused, each reported: they fail to join
         deadline = time.monotonic() + _LEAVE_S + 5.0
         running = set(range(len(self.node.procs)))
         while (running or self.extras) and time.monotonic() < deadline:

@@ -103,15 +103,29 @@ def run(args: argparse.Namespace, nproc: int) -> int:
             print(f"asyncrpc-launch: {exc}", file=sys.stderr, flush=True)
             return 1
         except Stopped as stop:
-            if node is None:
+            if node is None or (node.plan.join and node.plan.node < 0):  # not in the world
                 return say_stopped(stop.number)
             if node.grow is not None and node.plan.node > 0:  # a preemption: leave, gracefully
-                return node.grow.leave(stop.number)
+                return _leave(node, stop.number)
             node.stop_workers(stop.number)
             return node.stopped(stop.number)
         finally:
             if node is not None and node.grow is not None:
                 node.grow.close()
+
+
+def _leave(node: Node, number: int) -> int:
+    """This node's workers leave the world; if they cannot (node 0 gone), they are stopped."""
+    assert node.grow is not None
+    try:
+        return node.grow.leave(number)
+    except (RendezvousError, *_STORE_GONE) as exc:
+        print(f"asyncrpc-launch: this node's workers could not leave the world gracefully "
+              f"({exc}); they were stopped", file=sys.stderr, flush=True)  # fmt: skip
+        node.stop_workers(number)
+        with contextlib.suppress(*_STORE_GONE):
+            node.space.set(f"left/{node.plan.node}", "1")
+        return say_stopped(number)
 
 
 def _store(chosen: Plan) -> Store:
@@ -133,12 +147,14 @@ class Node:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.healer: Healer | None = None
         self.first = chosen.node * chosen.nproc  # the rank of local worker 0
+        self.size = chosen.nnodes * chosen.nproc  # the world's as it formed (--join: node 0's)
         self.tag = TAG
         self.grow = NodeChanges(self, chosen.max_world_size) if chosen.elastic else None
 
     def start_all(self) -> None:
         if self.grow is not None and self.plan.join:  # its workers come as node 0 orders
-            self.plan = self.plan._replace(node=self.grow.join())
+            number, self.size = self.grow.join()
+            self.plan = self.plan._replace(node=number)
             self.first = len(self.procs)
             return
         if self.grow is not None and self.plan.node == 0:
@@ -228,13 +244,13 @@ class Node:
         """The healer of this node's world once it formed (it replaces and adds), else None."""
         if self.healer is None:
             names = self._names()
-            if names is None or not _records.formed(self.heal, names):
+            if names is None or not _records.formed(self.heal, names[: self.size]):
                 return None
             self._new_healer(names)
         return self.healer
 
     def _new_healer(self, names: tuple[str, ...]) -> None:
-        size = self.plan.nnodes * self.plan.nproc  # the names the world formed with
+        size = self.size  # the names the world formed with
         self.healer = Healer(self.store, TAG, names[:size], self.plan.max_restarts)
         self.healer.alive = self._runs
         if len(names) > size:
@@ -266,7 +282,7 @@ class Node:
         rank, how = self.first + local, describe_exit(code)
         who = f"{self._describe(local)} {how}"
         names = self._names()
-        if names is None or not _records.formed(self.heal, names):
+        if names is None or not _records.formed(self.heal, names[: self.size]):
             # The others wait for it in the world's start: nothing ran yet, nothing to heal.
             return (f"{who} while the world was starting (before every worker was ready), "
                     f"which cannot replace it; start the run again")  # fmt: skip
@@ -325,10 +341,15 @@ class Node:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(_KILLED_S)  # dead before its name is forgotten
                 stopped.append(name)
+        # Added workers still joining fail to join (their add raises): none stays.
+        added = self.grow.stop_joining(joining) if self.grow is not None else []
         # All killed first: one still joining may hold torch's group token, which
         # the forgetting of another would wait for.
         for name in stopped:
             self.healer.forget_stopped(name)
+        for name in added:
+            assert self.grow is not None
+            self.grow.report(name, "was stopped as it joined: another worker died meanwhile")
 
     def _failure_elsewhere(self) -> str | None:
         try:
