@@ -91,6 +91,7 @@ def test_help_explains_the_launcher() -> None:
     assert "asyncrpc-launch" in done.stdout
     assert "127.0.0.1 only" in done.stdout
     assert "--interface" in done.stdout
+    assert "--elastic" in done.stdout and "--join HOST:PORT" in done.stdout
 
 
 @pytest.mark.subprocess

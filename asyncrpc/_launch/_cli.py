@@ -64,12 +64,17 @@ Every torchrun option works as in torchrun. What differs:
   * Ctrl-C prints one line and exits 130;
   * --restart worker --max-restarts K replaces a worker that dies in place,
     under its name and rank, while every other worker keeps running with its
-    state (asyncrpc.run worlds only; K bounds the replacements of the world).
+    state (asyncrpc.run worlds only; K bounds the replacements of the world);
+  * --elastic lets workers add and remove workers while the world runs
+    (asyncrpc.add_workers, remove_workers; --max-world-size M bounds it),
+    --join HOST:PORT adds this machine's workers to such a world, and
+    SIGTERM to a launcher other than node 0 makes its workers leave.
 
 examples:
   asyncrpc-launch --nproc-per-node 3 examples/ring.py
   asyncrpc-launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 \\
       --master-port 29500 --nproc-per-node 4 --interface eth1 train.py
+  asyncrpc-launch --join 10.0.0.1:29500 --nproc-per-node 4 train.py
 """
 
 

@@ -23,7 +23,9 @@ done; each launcher exits 0 when all of its workers are, and node 0's waits
 for the others' left/<n> first, since its store serves their leave. A
 signal (Ctrl-C, SIGTERM) stops this node's workers, says so in one line and
 exits 128 + the signal; the workers also end with a launcher that is killed
-(`_parent`).
+(`_parent`). With --elastic, node 0's launcher also serves the members'
+changes and each launcher starts its added workers (`_node_changes`); a
+signal to another node's launcher makes its workers leave instead.
 """
 
 from __future__ import annotations
