@@ -83,11 +83,7 @@ def elastic_main(ctx: asyncrpc.Context, repeats: int) -> None:
     if ctx.name != "worker0":
         return
     for _ in range(repeats):
-        start = time.perf_counter()
-        added = asyncrpc.add_workers(1)
-        asyncrpc.rpc_sync(added[0], identity)
-        print(f"add1 {time.perf_counter() - start:.6f}", flush=True)
-        print(f"remove1 {_timed(asyncrpc.remove_workers, *added):.6f}", flush=True)
+        _add_one_then_remove()
         start = time.perf_counter()
         added = asyncrpc.add_workers(8)
         for fut in [asyncrpc.rpc_async(name, identity) for name in added]:
@@ -105,11 +101,16 @@ def launched_main(ctx: asyncrpc.Context, repeats: int) -> None:
         return
     for _ in range(repeats):
         time.sleep(SPARE_WARM_S)
-        start = time.perf_counter()
-        added = asyncrpc.add_workers(1)
-        asyncrpc.rpc_sync(added[0], identity)
-        print(f"add1 {time.perf_counter() - start:.6f}", flush=True)
-        print(f"remove1 {_timed(asyncrpc.remove_workers, *added):.6f}", flush=True)
+        _add_one_then_remove()
+
+
+def _add_one_then_remove() -> None:
+    """Rows add1 (to the new worker's first answer) and remove1, printed."""
+    start = time.perf_counter()
+    added = asyncrpc.add_workers(1)
+    asyncrpc.rpc_sync(added[0], identity)
+    print(f"add1 {time.perf_counter() - start:.6f}", flush=True)
+    print(f"remove1 {_timed(asyncrpc.remove_workers, *added):.6f}", flush=True)
 
 
 def _probe_launch(repeats: int) -> None:

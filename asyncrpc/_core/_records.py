@@ -50,6 +50,7 @@ __all__ = (
     "read_state",
     "settle",
     "wait_for_all",
+    "wait_keys",
 )
 
 _POLL_S = 0.01
@@ -104,7 +105,7 @@ def formed(space: Store, names: tuple[str, ...]) -> bool:
 
 def read_names(space: Store, timeout: float) -> tuple[str, ...]:
     """Every member's name in rank order (a replacement learns them from the store)."""
-    _wait(space, ["names"], timeout)
+    wait_keys(space, ["names"], timeout)
     return tuple(json.loads(space.get("names").decode()))
 
 
@@ -240,11 +241,12 @@ def _update(
             return changed
 
 
-def _wait(space: Store, keys: list[str], timeout: float) -> None:
+def wait_keys(space: Store, keys: list[str], timeout: float, missing: str = "") -> None:
+    """Wait (bounded) until `space` has every key; RendezvousError(`missing`) past `timeout`."""
     deadline = time.monotonic() + timeout
     while not space.check(keys):
         if time.monotonic() > deadline:
-            raise RendezvousError(f"the world's store has no {keys} after {timeout} s")
+            raise RendezvousError(missing or f"the world's store has no {keys} after {timeout} s")
         time.sleep(_POLL_S)
 
 

@@ -226,9 +226,7 @@ class Changes:
         """
         joined = self.space.check([f"joined/{name}"])
         if name in self.removing:
-            why = self.removing.pop(name)[1]
-            self._gone(name, why)
-            self.space.set(f"left/{name}", json.dumps({"at": time.time(), "why": why}))
+            self._left(name, self.removing.pop(name)[1])
             return True
         if name not in self.adding or name in self.healer.retry:
             return False  # a member's death: healed, or the world fails
@@ -248,8 +246,11 @@ class Changes:
         """
         if name not in _records.live_names(self.space):
             return  # it left already
-        why = f"it ended unasked ({how})"
         _records.mark_left(self.space, [name])
+        self._left(name, f"it ended unasked ({how})")
+
+    def _left(self, name: str, why: str) -> None:
+        """`name` left (`why`): forgotten, every member told, and `left/<name>` says when."""
         self._gone(name, why)
         self.space.set(f"left/{name}", json.dumps({"at": time.time(), "why": why}))
 

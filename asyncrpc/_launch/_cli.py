@@ -193,13 +193,12 @@ def build_args(argv: Sequence[str]) -> argparse.Namespace:
         _check(args)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.restart == "worker" and args.join is not None:
-        _check_endpoint(args.rdzv_endpoint, parser)
-        return args
     if args.restart == "worker":
-        _place_store(args)
+        if args.join is None:  # --join names node 0's store, which is placed already
+            _place_store(args)
         _check_endpoint(args.rdzv_endpoint, parser)
-        _warn_if_unreachable(args.rdzv_endpoint, args.nnodes)
+        if args.join is None:
+            _warn_if_unreachable(args.rdzv_endpoint, args.nnodes)
         return args
     if args.rdzv_backend == "static" or args.standalone:
         _, max_nodes = _node_range(args.nnodes)

@@ -26,7 +26,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from .._core import _context, _init, _world
-from .._core._environ import NODE_VARIABLE
 from .._core._errors import WorkerUnreachableError
 from .._core._liveness import Liveness, describe, leave_world
 from .._core._membership import Joining
@@ -35,7 +34,6 @@ from . import _parent
 __all__ = (
     "JOINING_VARIABLE",
     "NAME_VARIABLE",
-    "NODE_VARIABLE",
     "RESTART_VARIABLE",
     "joining_from_env",
     "launched",

@@ -107,11 +107,8 @@ class NodeChanges:
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         rid = self._send(request)
-        deadline = time.monotonic() + _JOIN_S
-        while not self.heal.check([f"reply/{rid}"]):
-            if time.monotonic() > deadline:
-                raise RendezvousError(f"node 0's launcher did not answer within {_JOIN_S} s")
-            time.sleep(_POLL_S)
+        _records.wait_keys(self.heal, [f"reply/{rid}"], _JOIN_S,
+                           f"node 0's launcher did not answer within {_JOIN_S} s")  # fmt: skip
         reply: dict[str, Any] = json.loads(self.heal.get(f"reply/{rid}").decode())
         return reply
 
@@ -207,7 +204,7 @@ class NodeChanges:
         self.extras[name] = self.node.spawn(rank, local, joining, 0, world_size, name)
 
     def stop_joining(self, joining: set[str]) -> list[str]:
-        """Kill this node's added workers still joining (a first worker died); their names."""
+        """Kill this node's added workers among `joining` (still joining); their names."""
         stopped = []
         for name in sorted(joining & set(self.extras)):
             proc = self.extras.pop(name)
@@ -218,16 +215,16 @@ class NodeChanges:
 
     def _local(self) -> dict[str, subprocess.Popen[bytes]]:
         """This node's worker processes by name, those it started with and those added."""
-        names = _records.read_names(self.heal, 1.0) if self.heal.check(["names"]) else ()
+        names = self._names()
         first = [(names[self.node.first + i], proc) for i, proc in enumerate(self.node.procs)
                  if self.node.first + i < len(names)]  # fmt: skip
         return {**dict(first), **self.extras}
 
     def took_exit(self, rank: int, code: int) -> bool:
         """One of this node's first workers ended: True if it left the world (reported)."""
-        if not self.heal.check(["names"]):
+        name = self.name_of(rank)
+        if name is None:
             return False
-        name = _records.read_names(self.heal, 1.0)[rank]
         if name in _records.live_names(self.heal) and not self.leaving:
             return False  # a death: healed, or the world fails
         self.report(name, describe_exit(code))
@@ -240,8 +237,13 @@ class NodeChanges:
         """
         self.heal.set(f"spawned/{name}", "-1")
 
+    def _names(self) -> tuple[str, ...]:
+        """Every rank's name given so far; none before the world's names are written."""
+        return _records.read_names(self.heal, 1.0) if self.heal.check(["names"]) else ()
+
     def name_of(self, rank: int) -> str | None:
-        names = _records.read_names(self.heal, 1.0) if self.heal.check(["names"]) else ()
+        """The name of `rank`, or None before it has one."""
+        names = self._names()
         return names[rank] if rank < len(names) else None
 
     def report(self, name: str, how: str) -> None:
@@ -258,10 +260,8 @@ class NodeChanges:
         self.leaving = True  # from now on, orders are refused (`_take_orders`)
         self.heal.set(f"gone_node/{self.me}", "1")  # and node 0 sends none
         signame = signal.Signals(number).name
-        for name in [n for n in self.extras if not self.heal.check([f"joined/{n}"])]:
-            proc = self.extras.pop(name)  # still joining: it never becomes a member
-            proc.kill()
-            proc.wait()
+        joining = {n for n in self.extras if not self.heal.check([f"joined/{n}"])}
+        for name in self.stop_joining(joining):  # still joining: it never becomes a member
             self.report(name, f"was stopped as it joined: node {self.me} left the world")
         live = set(_records.live_names(self.heal)) if self.heal.check(["names"]) else set()
         mine = sorted(n for n, p in self._local().items() if p.poll() is None and n in live)

@@ -165,7 +165,7 @@ class Node:
             self.procs.append(self._start(local, Joining(self.first + local, TAG, False), 0))
 
     def _start(self, local: int, joining: Joining, attempt: int) -> subprocess.Popen[bytes]:
-        size = self.plan.nnodes * self.plan.nproc
+        size = self.size
         return self.spawn(self.first + local, local, joining._replace(size=size), attempt, size)
 
     def spawn(
@@ -252,10 +252,9 @@ class Node:
         return self.healer
 
     def _new_healer(self, names: tuple[str, ...]) -> None:
-        size = self.size  # the names the world formed with
-        self.healer = Healer(self.store, TAG, names[:size], self.plan.max_restarts)
+        self.healer = Healer(self.store, TAG, names[: self.size], self.plan.max_restarts)
         self.healer.alive = self._runs
-        if len(names) > size:
+        if len(names) > self.size:  # added since it formed
             self.healer.refresh()
 
     def world_ended(self) -> bool:
