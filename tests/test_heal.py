@@ -87,7 +87,8 @@ def test_calls_at_a_death_fail_named_and_never_run_twice() -> None:
         verbs = basic[stage]
         assert verbs is not None, stage
         assert set(verbs) == {"call", "call_async", "call_remote", "stream", "to_here",
-                              "rpc_sync_proxy", "owner", "rref_to_here"}  # fmt: skip
+                              "rpc_sync_proxy", "owner", "rref_to_here",
+                              "failed_to_here"}  # fmt: skip
         for verb, lost in verbs.items():
             assert lost["error"] == "ObjectLostError", (stage, verb, lost)
             assert lost["name"] == "worker2" and lost["s"] < QUICK_S, (stage, verb, lost)

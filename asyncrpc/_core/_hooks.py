@@ -106,9 +106,15 @@ def _name_read(error: BaseException, sent: Sent) -> BaseException:
     return name_failure(error, sent.worker, sent.label)  # a call's tag
 
 
-def _name_rref(error: BaseException, owner: str) -> BaseException:
-    # The member's name, not a replacement's torch name ("worker1:7", see _membership).
-    return name_failure(error, owner.split(":", 1)[0], "RRef.to_here()")
+def _name_rref(error: BaseException, rref: Any) -> BaseException:
+    # Its owner may have died while to_here waited, and left torch's agent with it
+    # (a world that heals): torch's owner() then fails, so ask `owner_of`, whose
+    # ObjectLostError names the death.
+    try:
+        owner = owner_of(rref, "the value of this RRef")
+    except (ObjectLostError, WorkerUnreachableError) as named:
+        return named
+    return name_failure(error, owner, "RRef.to_here()")
 
 
 HOOKS = _torch.Hooks(

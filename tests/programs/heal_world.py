@@ -261,8 +261,19 @@ def lost_verbs(handle: asyncrpc.RemoteObject[Counter], rref: Any) -> dict[str, A
         "rpc_sync_proxy": lambda: handle.rpc_sync().add(1),
         "owner": lambda: handle.owner,
         "rref_to_here": lambda: rref.to_here(),
+        "failed_to_here": partial(failed_to_here, rref),
     }
     return {verb: outcome(run) for verb, run in verbs.items()}
+
+
+def failed_to_here(rref: Any) -> None:
+    """As a to_here that failed while its owner's process died, then read: its name.
+
+    The process may be gone from torch's agent by then; the name must still come.
+    """
+    from asyncrpc._core import _hooks
+
+    raise _hooks.HOOKS.name_rref(RuntimeError("to_here failed"), rref)
 
 
 def basic(ctx: asyncrpc.Context) -> None:

@@ -26,7 +26,7 @@ class Hooks(NamedTuple):
 
     await_future: Callable[[Any], Any]  # Future.__await__
     name_read: Callable[[BaseException, Any], BaseException]  # a tagged Future's failure
-    name_rref: Callable[[BaseException, str], BaseException]  # to_here's failure, by owner
+    name_rref: Callable[[BaseException, Any], BaseException]  # to_here's failure, by RRef
     check_value: Callable[[object], object]  # a value read: raise a carried failure
     carry: Callable[[BaseException], object]  # a failure as a value to set on a Future
     cancel_call: Callable[[Any], bool]  # ask a tagged call's callee to stop it

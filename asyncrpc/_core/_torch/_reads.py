@@ -194,7 +194,7 @@ def _checked_to_here(to_here: Callable[..., Any], hooks: Hooks) -> Callable[...,
         try:
             value = to_here(self, timeout)
         except RuntimeError as exc:
-            named = hooks.name_rref(exc, str(self.owner().name))
+            named = hooks.name_rref(exc, self)
             if named is exc:
                 raise
             raise named from exc
