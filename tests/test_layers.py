@@ -44,6 +44,7 @@ INSIDE: dict[str, list[str]] = {
         "_events",
         "_membership",
         "_records",
+        "_devices",
         "_healing",
         "_forks",
         "_hooks",

@@ -250,11 +250,28 @@ def test_members_vmap_cannot_run_fall_back_with_the_reason(
         (lambda: [torch.nn.LSTM(4, 4) for _ in range(2)], "2x slower than one by one"),
         (lambda: [Scaled(1.0), Scaled(2.0)], "member 1's module.k differs"),
         (lambda: [mlp(), Residual()], "member 1 is a Residual"),
-        (lambda: [torch.nn.Linear(2, 3), torch.nn.Linear(2, 4)], "differs in shape"),
+        (lambda: [torch.nn.Linear(2, 3), torch.nn.Linear(2, 4)], "differs in shape: (4, 2)"),
+        (
+            lambda: [torch.nn.Linear(2, 3), torch.nn.Linear(2, 3).double()],
+            "differs in dtype: torch.float64, member 0's torch.float32",
+        ),
+        (
+            lambda: [torch.nn.Linear(2, 3), torch.nn.Linear(2, 3, device="meta")],
+            "member 1's weight is on meta, member 0's on cpu: a stacked call runs on one device",
+        ),
         (lambda: [torch.nn.ReLU(), torch.nn.ReLU()], "no parameters"),
         (lambda: [abs, abs], "not an nn.Module"),
     ],
-    ids=["lstm", "settings", "classes", "shapes", "no-parameters", "functions"],
+    ids=[
+        "lstm",
+        "settings",
+        "classes",
+        "shapes",
+        "dtypes",
+        "devices",
+        "no-parameters",
+        "functions",
+    ],
 )
 def test_members_that_cannot_be_stacked_are_declined_up_front(
     members: Callable[[], list[Callable[..., object]]], reason: str

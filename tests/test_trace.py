@@ -13,7 +13,7 @@ import torch
 
 import asyncrpc
 from asyncrpc._core import _calls
-from asyncrpc._trace import _render, _trace
+from asyncrpc._trace import _render, _timeline, _trace
 
 from conftest import ROOT, run_program
 
@@ -276,3 +276,25 @@ def test_the_trace_overhead_benchmark_runs_at_a_small_size() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.endswith("x")]
     assert [row.split()[0] for row in rows] == ["rpc_sync", "BiLSTM"], result.stdout
+
+
+def test_cuda_work_lies_on_the_worker_that_ran_it_a_lane_per_device_and_stream() -> None:
+    # torch's trace as its profiler writes it with ProfilerActivity.CUDA: kernels and
+    # copies on a pseudo-process per GPU (pid = device), the launch on the worker's.
+    trace = {"baseTimeNanoseconds": 0, "traceEvents": [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 41, "tid": 41,
+         "ts": 10.0, "dur": 2.0},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 11.0,
+         "dur": 5.0, "args": {"device": 0, "stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "pid": 1, "tid": 13,
+         "ts": 12.0, "dur": 1.0, "args": {"device": 1, "stream": 13}},
+        {"ph": "X", "cat": "cpu_op", "name": "other process", "pid": 99, "tid": 1, "ts": 9.0,
+         "dur": 1.0},
+    ]}  # fmt: skip
+    part = {"pid": 41, "trace": json.dumps(trace), "spans": [], "threads": {}}
+    events = _timeline.merge(["worker0"], {"worker0": part}, {})
+    timed = {e["name"]: e for e in events if e["ph"] == "X"}
+    assert set(timed) == {"cudaLaunchKernel", "gemm", "Memcpy HtoD"}
+    assert {e["pid"] for e in timed.values()} == {1}  # worker0's process
+    lanes = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"cuda:0 stream 7", "cuda:1 stream 13"} <= lanes

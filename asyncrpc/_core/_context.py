@@ -64,8 +64,16 @@ class Settings:
     # caller: its function, the worker it waits on, where that worker is (the
     # innermost frame of the user's code) and any cycle of waits. None: off.
     hang_report_after: float | None = None
+    # CUDA tensors between workers (see _devices): "cuda" gives each worker one GPU
+    # and maps it to every GPU peer's; None keeps the world on CPU (or reads
+    # ASYNCRPC_DEVICES, which `asyncrpc-launch --devices` sets).
+    devices: Any = None
+    device_maps: Mapping[str, Mapping[Any, Any]] | None = None
 
     def __post_init__(self) -> None:
+        from ._devices import check
+
+        check(self.devices, self.device_maps)
         if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
             raise ValueError(
                 f"num_worker_threads must be a positive int, got {self.num_worker_threads!r}"

@@ -21,6 +21,7 @@ __all__ = [
     "BatchNotSentError",
     "CallTimeoutError",
     "CancelledError",
+    "DeviceMapError",
     "DuplicateNameError",
     "JoinTimeoutError",
     "NestedCallError",
@@ -140,6 +141,17 @@ class WorkerLeftError(WorkerUnreachableError):
     Calls to it fail at once from the moment its removal began, and calls
     it was running when it was stopped fail with this too. Attribute `name`:
     the worker that left. The message says who removed it.
+    """
+
+
+class DeviceMapError(AsyncRPCError, RuntimeError, ValueError):
+    """A CUDA tensor went to a worker with no device mapped for it; or bad `devices`.
+
+    torch moves a CUDA tensor only along a device map (`device_maps`, or the
+    maps `devices="cuda"` makes between workers that have GPUs). A worker
+    started without a GPU (`devices` left out, or `"cpu"`) has none: send it
+    `tensor.cpu()`. Also a RuntimeError, as torch raises, with torch's text
+    inside; also a ValueError for `devices`/`device_maps` refused at start.
     """
 
 

@@ -44,6 +44,7 @@ from . import _runtime, _torch
 from ._errors import (
     AsyncRPCError,
     CallTimeoutError,
+    DeviceMapError,
     ObjectLostError,
     RemoteError,
     SerializationError,
@@ -389,6 +390,13 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
         )
     elif kind == "unreachable":
         named = _unreachable(worker, func, first)
+    elif kind == "unmapped":
+        named = DeviceMapError(
+            f"the call to {label_of(func)} on {worker!r} carried a CUDA tensor between workers "
+            f"with no device map for it ({first}); start the world with devices='cuda' on "
+            f"every worker with a GPU (or pass device_maps=...), or send tensor.cpu() to a "
+            f"worker without one"
+        )
     elif kind == "unimportable":
         named = SerializationError(
             f"the call to {label_of(func)} on {worker!r} carried an object of a class one side "

@@ -137,13 +137,22 @@ def _check_tensors(ours: dict[str, Any], theirs: dict[str, Any], where: str, i: 
         raise Declined(f"member {i}'s tensors in {where or 'the module'!r} differ in name")
     for key, tensor in ours.items():
         other = theirs[key]
-        same = (tensor is None) == (other is None) and (
-            tensor is None
-            or (tensor.shape, tensor.dtype, tensor.device)
-            == (other.shape, other.dtype, other.device)
-        )
-        if not same:
-            raise Declined(f"member {i}'s {where + '.' if where else ''}{key} differs in shape")
+        label = f"member {i}'s {where + '.' if where else ''}{key}"
+        if (tensor is None) != (other is None):
+            raise Declined(f"{label} differs in shape (None in one member only)")
+        if tensor is None:
+            continue
+        if tensor.shape != other.shape:
+            raise Declined(f"{label} differs in shape: {tuple(other.shape)}, member 0's "
+                           f"{tuple(tensor.shape)}")  # fmt: skip
+        if tensor.dtype != other.dtype:
+            raise Declined(f"{label} differs in dtype: {other.dtype}, member 0's {tensor.dtype}")
+        if tensor.device != other.device:
+            # One stacked call runs on one device: members on several (two GPUs, or
+            # a GPU and the CPU) run one by one, each where it lives.
+            raise Declined(f"{label} is on {other.device}, member 0's on {tensor.device}: "
+                           f"a stacked call runs on one device; move the members to one "
+                           f"(.to(device)) to stack them")  # fmt: skip
 
 
 def _check_settings(sub: torch.nn.Module, other: torch.nn.Module, where: str, i: int) -> None:

@@ -168,6 +168,13 @@ def _parser() -> argparse.ArgumentParser:
         "node 0 launcher listens on HOST:PORT",
     )
     parser.add_argument(
+        "--devices",
+        default=None,
+        help="the workers' CUDA devices, as asyncrpc.init(devices=...): 'cuda' gives each "
+        "worker cuda:(LOCAL_RANK %% GPUs) and maps it to every other worker's, so CUDA "
+        "tensors move between them; 'cuda:K' for one device (default: CPU only)",
+    )
+    parser.add_argument(
         "--interface",
         default=None,
         help="network interface the workers' RPC binds to (default: lo on one machine, "
@@ -283,6 +290,15 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.restart == "worker":
         _check_worker_restart(args)
+    if args.devices is not None:
+        from .._core import _devices
+
+        _devices.check(args.devices, None)
+        if args.restart == "worker":
+            raise ValueError(
+                f"--devices {args.devices} maps CUDA devices in a fixed world only; leave "
+                f"--elastic, --join and --restart worker out, or --devices"
+            )
     names = sorted(name for _, name in socket.if_nameindex())
     if args.interface is not None and args.interface not in names:
         raise ValueError(
@@ -375,6 +391,8 @@ def _set_child_env(args: argparse.Namespace) -> None:
     """
     if args.interface:
         os.environ["ASYNCRPC_INTERFACE"] = args.interface
+    if args.devices is not None:
+        os.environ["ASYNCRPC_DEVICES"] = args.devices  # _devices.VARIABLE
     os.environ[_parent.LAUNCHER_VARIABLE] = str(os.getpid())
     os.environ[RESTART_VARIABLE] = args.restart  # a run(restart=...) must agree
     if "OMP_NUM_THREADS" not in os.environ:

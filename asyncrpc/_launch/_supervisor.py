@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from .._core import _context, _rendezvous
+from .._core import _context, _devices, _rendezvous
 from .._core._errors import WorkerFailedError
 from .._core._membership import Joining
 from . import _child, _forkserver, _healer, _replacing, _spares
@@ -95,6 +95,8 @@ def run(
             f"max_restarts={max_restarts}; pass max_restarts=K with K >= 1"
         )
     settings = _context.Settings.from_options(options)
+    if restart == "worker" or elastic:
+        _devices.refuse_changing(settings.devices, settings.device_maps)
     size = _context.resolve_world_size(world_size, roles)
     if launched():
         run_launched(main, args, size, roles, settings, restart)

@@ -7,9 +7,11 @@ event::
 
     worker part: profiler events (pid = OS pid) + call spans ("call", "run", id)
                  + marks of joins and leaves ("member": an instant on the worker)
+                 + its CUDA kernels and copies (the profiler's GPU pseudo-processes)
       `-> process per worker (pid = rank + 1, named by worker and, for a replacement
           in a world that heals, its attempt), its threads named,
           call spans on lanes of their own ("calls out", "calls in"),
+          CUDA work on a lane per device and stream ("cuda:0 stream 7"),
           flow "s" at a call's start -> flow "f" at its run on the callee
 """
 
@@ -26,10 +28,16 @@ __all__ = ("merge", "write")
 
 CATEGORY = "asyncrpc"
 _LANE_TID = types.MappingProxyType(
-    {"call": 1_000_000_000, "run": 1_100_000_000, "member": 1_200_000_000}
+    {"call": 1_000_000_000, "run": 1_100_000_000, "member": 1_200_000_000, "cuda": 1_300_000_000}
 )
-_LANE_NAME = types.MappingProxyType({"call": "calls out", "run": "calls in", "member": "members"})
+_LANE_NAME = types.MappingProxyType(
+    {"call": "calls out", "run": "calls in", "member": "members", "cuda": "cuda"}
+)
 _KEPT_PHASES = frozenset({"X", "i", "I"})
+# The profiler's CUDA work (ProfilerActivity.CUDA): on a pseudo-process per GPU in
+# torch's trace, put on the worker that ran it, a lane per device and stream.
+_CUDA_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+_STREAMS = 10_000  # a cuda lane's tid: base + device * _STREAMS + stream
 
 
 def merge(
@@ -67,9 +75,14 @@ def _profiler_events(part: Mapping[str, Any], pid: int, shift_us: float) -> list
     base_us = trace.get("baseTimeNanoseconds", 0) / 1000
     kept = []
     for event in trace.get("traceEvents", []):
-        # Other pids are the profiler's own pseudo-processes; metadata is rewritten.
-        if event.get("pid") != part["pid"] or event.get("ph") not in _KEPT_PHASES:
+        if event.get("ph") not in _KEPT_PHASES:
             continue
+        if event.get("cat") in _CUDA_CATEGORIES:
+            args = event.get("args", {})
+            lane = int(args.get("device", 0)) * _STREAMS + int(args.get("stream", 0)) % _STREAMS
+            event = {**event, "tid": _LANE_TID["cuda"] + lane}
+        elif event.get("pid") != part["pid"]:
+            continue  # the profiler's own pseudo-processes; metadata is rewritten
         kept.append({**event, "pid": pid, "ts": base_us + float(event["ts"]) + shift_us})
     return kept
 
@@ -148,6 +161,9 @@ def _thread_label(tid: int, python_name: str | None) -> tuple[str, int]:
     for kind, base in _LANE_TID.items():
         if base <= tid < base + 100_000_000:
             lane = tid - base
+            if kind == "cuda":
+                device, stream = divmod(lane, _STREAMS)
+                return f"cuda:{device} stream {stream}", 1_000_000 + lane
             return f"{_LANE_NAME[kind]}" + (f" {lane + 1}" if lane else ""), 2_000_000 + tid - base
     if python_name == "MainThread":
         return "main thread", 0

@@ -88,7 +88,11 @@ class _Recorder:
 
         try:
             config = _torch.profiler_config()
-            prof = profile(activities=[ProfilerActivity.CPU], experimental_config=config)
+            activities = [ProfilerActivity.CPU]
+            # A worker that never touched CUDA keeps it off (and CUDA uninitialized).
+            if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                activities.append(ProfilerActivity.CUDA)
+            prof = profile(activities=activities, experimental_config=config)
             prof.start()
         except BaseException as exc:  # reported by start() to the caller
             self._error = exc

@@ -30,6 +30,9 @@ _KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
     # callee's ObjectLostError, in torch's text), or owned by a process the callee's
     # agent never knew (it died before the callee joined).
     ("lost", re.compile(r"ObjectLostError: |could not find destination id \d+")),
+    # A CUDA tensor to or from a worker with no device map for it (TensorPipe's
+    # "Request/Response device mapping is not available for destination").
+    ("unmapped", re.compile(r"device mapping is not available|only supports CPU tensors")),
     ("timeout", re.compile(r"ran for more than set timeout|timed out", re.IGNORECASE)),
     (
         "unreachable",

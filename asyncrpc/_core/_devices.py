@@ -1,0 +1,177 @@
+"""Which CUDA devices each worker uses, and the device maps between them (`devices=`).
+
+torch moves a CUDA tensor between workers only along TensorPipe's device
+maps: one to one per destination, the reply along the inverse. A world
+asyncrpc starts builds them from `devices`, exchanged through its store
+before torch's agent starts (every worker takes part, CPU ones too)::
+
+    worker i:  devices="cuda" -> cuda:(LOCAL_RANK % device_count), torch.cuda.set_device
+       │  store: asyncrpc/<tag>/devices/<name> = "cuda:1"    ("" on a CPU-only worker)
+       ▼
+    each GPU worker reads every name's, then, for each peer with a GPU,
+       device_maps[peer] = {"cuda:i": "cuda:j"}; devices = ["cuda:i"]
+       └──> TensorPipeRpcBackendOptions(devices=..., device_maps=...)
+
+`device_maps` given by the program are torch's own, taken as they are (they
+replace the made map for the peers they name). A CUDA tensor sent where no
+map leads fails as `DeviceMapError` (`_failures`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._context import Context
+from ._errors import DeviceMapError
+from ._records import wait_keys
+from ._torch import PrefixStore, Store
+
+__all__ = ("VARIABLE", "check", "refuse_changing", "resolve")
+
+VARIABLE = "ASYNCRPC_DEVICES"  # `asyncrpc-launch --devices`: the workers' `devices`
+_SHAPES = (
+    "'cuda' (one GPU per worker: cuda:(LOCAL_RANK % count)), 'cpu', 'cuda:K', a list of "
+    "such devices, or a dict from worker name, role or rank to one of those"
+)
+
+
+def check(devices: Any, device_maps: Any) -> None:
+    """Raise DeviceMapError for a `devices`/`device_maps` of the wrong shape, or CUDA missing.
+
+    Run as the options are made, before any process starts.
+    """
+    specs = list(devices.values()) if isinstance(devices, Mapping) else [devices]
+    for spec in specs:
+        _parse(spec)
+    if device_maps is not None:
+        _check_maps(device_maps)
+    wants_cuda = any(_parse(spec) for spec in specs) or bool(device_maps)
+    if wants_cuda and not isinstance(devices, Mapping) and not torch.cuda.is_available():
+        raise DeviceMapError(
+            f"devices={devices!r} device_maps={device_maps!r} ask for CUDA, but torch here "
+            f"has none (torch {torch.__version__}, torch.cuda.is_available() is False); "
+            f"leave devices and device_maps out (asyncrpc-launch: --devices) to run on CPU"
+        )
+
+
+def _parse(spec: Any) -> list[str]:
+    """A worker's devices as torch names them ("cuda:0"); [] for CPU; "cuda" kept as is."""
+    if spec is None or spec == "cpu":
+        return []
+    if spec == "cuda":
+        return ["cuda"]
+    if isinstance(spec, (str, int, torch.device)):
+        return [_device(spec)]
+    if isinstance(spec, Sequence) and spec and not isinstance(spec, (str, bytes)):
+        return [_device(one) for one in spec]
+    raise DeviceMapError(f"devices must be {_SHAPES}; got {spec!r}")
+
+
+def _device(spec: Any) -> str:
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        spec = f"cuda:{spec}"  # torch reads a bare index as the current accelerator's
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError) as exc:
+        raise DeviceMapError(f"devices must be {_SHAPES}; got {spec!r} ({exc})") from exc
+    if device.type != "cuda" or device.index is None:
+        raise DeviceMapError(
+            f"devices name CUDA devices with their index ('cuda:0'), or 'cuda' for one per "
+            f"worker, or 'cpu' for none; got {spec!r}"
+        )
+    return str(device)
+
+
+def _check_maps(device_maps: Any) -> None:
+    if not isinstance(device_maps, Mapping) or not all(
+        isinstance(peer, str) and isinstance(mapping, Mapping)
+        for peer, mapping in device_maps.items()
+    ):
+        raise DeviceMapError(
+            f"device_maps must be torch's: a dict from a peer's name to a dict from this "
+            f"worker's device to the peer's ({{'worker1': {{'cuda:0': 'cuda:1'}}}}); got "
+            f"{device_maps!r}"
+        )
+    for mapping in device_maps.values():
+        for pair in mapping.items():
+            for one in pair:
+                _device(one)
+
+
+def refuse_changing(devices: Any, device_maps: Any) -> None:
+    """DeviceMapError where a world whose members change asks for devices.
+
+    torch fixes a member's maps as it joins: a peer that joins later is in
+    none of them, so CUDA tensors could not reach it.
+    """
+    if devices is None and device_maps is None:
+        return
+    raise DeviceMapError(
+        f"devices={devices!r} device_maps={device_maps!r}: a world whose members change "
+        f"(restart='worker', elastic=True, asyncrpc-launch --elastic) cannot map CUDA "
+        f"devices yet (a member that joins later is in no earlier member's maps); start "
+        f"it as a fixed world, or without devices"
+    )
+
+
+def own(devices: Any, ctx: Context) -> list[str]:
+    """This worker's devices: its entry of a per-worker dict, "cuda" made one GPU."""
+    spec = devices
+    if isinstance(devices, Mapping):
+        keys = (ctx.name, ctx.role, ctx.rank)
+        spec = next((devices[key] for key in keys if key is not None and key in devices), None)
+    parsed = _parse(spec)
+    if parsed and not torch.cuda.is_available():
+        raise DeviceMapError(
+            f"worker {ctx.name!r} is given devices {spec!r}, but torch here has no CUDA "
+            f"(torch {torch.__version__}); give it 'cpu' in devices, or start it on a "
+            f"machine with a GPU"
+        )
+    if parsed == ["cuda"]:
+        local = int(os.environ.get("LOCAL_RANK", ctx.rank))
+        parsed = [f"cuda:{local % torch.cuda.device_count()}"]
+    return parsed
+
+
+def resolve(
+    devices: Any, device_maps: Any, ctx: Context, store: Store, tag: str, dynamic: bool,
+    timeout: float,
+) -> tuple[list[str] | None, dict[str, dict[str, str]] | None]:  # fmt: skip
+    """The `devices` and `device_maps` for this worker's TensorPipe options.
+
+    (None, None) where the world asks for none (nothing exchanged). `dynamic`:
+    a world whose members change (it heals or grows), which refuses them.
+    """
+    if devices is None:
+        devices = os.environ.get(VARIABLE) or None
+    if devices is None and device_maps is None:
+        return None, None
+    check(devices, device_maps)
+    if dynamic:
+        refuse_changing(devices, device_maps)
+    mine = own(devices, ctx)
+    if mine:
+        torch.cuda.set_device(mine[0])
+    space = PrefixStore(f"asyncrpc/{tag}/devices/", store)
+    space.set(ctx.name, ",".join(mine))
+    maps = {} if not mine else _maps(mine[0], ctx, space, timeout)
+    maps.update({peer: {str(a): str(b) for a, b in m.items()} for peer, m in
+                 (device_maps or {}).items()})  # fmt: skip
+    listed = sorted(set(mine) | {a for m in maps.values() for a in m})
+    return listed or None, maps or None
+
+
+def _maps(first: str, ctx: Context, space: Store, timeout: float) -> dict[str, dict[str, str]]:
+    """This worker's first device mapped to each GPU peer's first (every peer's, read)."""
+    peers = [name for name in ctx.names if name != ctx.name]
+    wait_keys(space, peers, timeout, f"not every worker said its devices within {timeout} s")
+    maps = {}
+    for peer in peers:
+        theirs = space.get(peer).decode()
+        if theirs:
+            maps[peer] = {first: theirs.split(",")[0]}
+    return maps
