@@ -108,6 +108,15 @@ CASES = {
         ["--rounds", "1", "--kills", "1", "--no-ray"],
         ["asyncrpc, heal one worker", "asyncrpc, restart the whole world"],
     ),
+    "gpu": (
+        "--rounds 1 --sizes-mib 1 --batches 1 --sample-seconds 0.02".split(),
+        [
+            "| 1 MiB | asyncrpc |",
+            "| 1 MiB | torch |",
+            "| 1 MiB | CPU detour |",
+            "| 1 | ",
+        ],
+    ),
     "elastic": (
         ["--rounds", "1", "--repeats", "1", "--no-ray"],
         [
@@ -170,6 +179,11 @@ JSON_FIGURES = {
     "heal": [
         ("ways", "asyncrpc, heal one worker", "seconds"),
         ("ways", "asyncrpc, restart the whole world", "vs_heal"),
+    ],
+    "gpu": [
+        ("transfers", "1", "asyncrpc", "gb_s"),
+        ("transfers", "1", "CPU detour", "vs_torch"),
+        ("ensemble", "1", "speedup"),
     ],
     "elastic": [
         ("rows", "add 1 worker, to its first answer", "seconds", "asyncrpc (embedded)"),

@@ -175,3 +175,13 @@ def test_the_launcher_refuses_devices_it_cannot_have_in_one_line() -> None:
     assert done.returncode == 2
     assert "asyncrpc-launch: error: devices='cuda'" in done.stderr
     assert "(asyncrpc-launch: --devices) to run on CPU" in done.stderr
+
+
+def test_the_gpu_learner_example_runs_here_and_says_where_its_learner_is() -> None:
+    done = run_program("python", "examples/gpu_learner.py", "--rounds", "20", timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    expected = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert f"learner on {expected}; reward" in done.stdout
+    assert "rose" in done.stdout.splitlines()[-1]
+    fallback = "gpu_learner: no CUDA here, so the learner runs on CPU too"
+    assert (fallback in done.stdout) is not torch.cuda.is_available()

@@ -36,6 +36,7 @@ INSIDE: dict[str, list[str]] = {
         "_cancel",
         "_activity",
         "_reply",
+        "_device_options",
         "_context",
         "_net",
         "_environ",

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ._device_options import check as check_devices
 from ._errors import WorldSizeMismatchError
 
 __all__ = ["Context", "Settings", "names_for", "resolve_world_size"]
@@ -30,6 +31,9 @@ class Settings:
     Example::
 
         asyncrpc.run(main, world_size=4, rpc_timeout=120, heartbeat_timeout=10)
+        asyncrpc.run(main, world_size=2, devices="cuda")  # CUDA tensors between workers
+
+    `devices` and `device_maps`: see docs/gpus.md.
     """
 
     num_worker_threads: int = 16
@@ -71,9 +75,7 @@ class Settings:
     device_maps: Mapping[str, Mapping[Any, Any]] | None = None
 
     def __post_init__(self) -> None:
-        from ._devices import check
-
-        check(self.devices, self.device_maps)
+        check_devices(self.devices, self.device_maps)
         if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
             raise ValueError(
                 f"num_worker_threads must be a positive int, got {self.num_worker_threads!r}"

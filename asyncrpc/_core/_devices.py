@@ -20,86 +20,20 @@ map leads fails as `DeviceMapError` (`_failures`).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ._context import Context
+from ._device_options import check, parse
 from ._errors import DeviceMapError
 from ._records import wait_keys
 from ._torch import PrefixStore, Store
 
-__all__ = ("VARIABLE", "check", "refuse_changing", "resolve")
+__all__ = ("VARIABLE", "check", "own", "refuse_changing", "resolve")
 
 VARIABLE = "ASYNCRPC_DEVICES"  # `asyncrpc-launch --devices`: the workers' `devices`
-_SHAPES = (
-    "'cuda' (one GPU per worker: cuda:(LOCAL_RANK % count)), 'cpu', 'cuda:K', a list of "
-    "such devices, or a dict from worker name, role or rank to one of those"
-)
-
-
-def check(devices: Any, device_maps: Any) -> None:
-    """Raise DeviceMapError for a `devices`/`device_maps` of the wrong shape, or CUDA missing.
-
-    Run as the options are made, before any process starts.
-    """
-    specs = list(devices.values()) if isinstance(devices, Mapping) else [devices]
-    for spec in specs:
-        _parse(spec)
-    if device_maps is not None:
-        _check_maps(device_maps)
-    wants_cuda = any(_parse(spec) for spec in specs) or bool(device_maps)
-    if wants_cuda and not isinstance(devices, Mapping) and not torch.cuda.is_available():
-        raise DeviceMapError(
-            f"devices={devices!r} device_maps={device_maps!r} ask for CUDA, but torch here "
-            f"has none (torch {torch.__version__}, torch.cuda.is_available() is False); "
-            f"leave devices and device_maps out (asyncrpc-launch: --devices) to run on CPU"
-        )
-
-
-def _parse(spec: Any) -> list[str]:
-    """A worker's devices as torch names them ("cuda:0"); [] for CPU; "cuda" kept as is."""
-    if spec is None or spec == "cpu":
-        return []
-    if spec == "cuda":
-        return ["cuda"]
-    if isinstance(spec, (str, int, torch.device)):
-        return [_device(spec)]
-    if isinstance(spec, Sequence) and spec and not isinstance(spec, (str, bytes)):
-        return [_device(one) for one in spec]
-    raise DeviceMapError(f"devices must be {_SHAPES}; got {spec!r}")
-
-
-def _device(spec: Any) -> str:
-    if isinstance(spec, int) and not isinstance(spec, bool):
-        spec = f"cuda:{spec}"  # torch reads a bare index as the current accelerator's
-    try:
-        device = torch.device(spec)
-    except (RuntimeError, TypeError) as exc:
-        raise DeviceMapError(f"devices must be {_SHAPES}; got {spec!r} ({exc})") from exc
-    if device.type != "cuda" or device.index is None:
-        raise DeviceMapError(
-            f"devices name CUDA devices with their index ('cuda:0'), or 'cuda' for one per "
-            f"worker, or 'cpu' for none; got {spec!r}"
-        )
-    return str(device)
-
-
-def _check_maps(device_maps: Any) -> None:
-    if not isinstance(device_maps, Mapping) or not all(
-        isinstance(peer, str) and isinstance(mapping, Mapping)
-        for peer, mapping in device_maps.items()
-    ):
-        raise DeviceMapError(
-            f"device_maps must be torch's: a dict from a peer's name to a dict from this "
-            f"worker's device to the peer's ({{'worker1': {{'cuda:0': 'cuda:1'}}}}); got "
-            f"{device_maps!r}"
-        )
-    for mapping in device_maps.values():
-        for pair in mapping.items():
-            for one in pair:
-                _device(one)
 
 
 def refuse_changing(devices: Any, device_maps: Any) -> None:
@@ -124,7 +58,7 @@ def own(devices: Any, ctx: Context) -> list[str]:
     if isinstance(devices, Mapping):
         keys = (ctx.name, ctx.role, ctx.rank)
         spec = next((devices[key] for key in keys if key is not None and key in devices), None)
-    parsed = _parse(spec)
+    parsed = parse(spec)
     if parsed and not torch.cuda.is_available():
         raise DeviceMapError(
             f"worker {ctx.name!r} is given devices {spec!r}, but torch here has no CUDA "
@@ -159,8 +93,10 @@ def resolve(
     space = PrefixStore(f"asyncrpc/{tag}/devices/", store)
     space.set(ctx.name, ",".join(mine))
     maps = {} if not mine else _maps(mine[0], ctx, space, timeout)
+    # `run` gives every worker the same device_maps: the entry naming this worker is
+    # its peers' map to it, not one of its own.
     maps.update({peer: {str(a): str(b) for a, b in m.items()} for peer, m in
-                 (device_maps or {}).items()})  # fmt: skip
+                 (device_maps or {}).items() if peer != ctx.name})  # fmt: skip
     listed = sorted(set(mine) | {a for m in maps.values() for a in m})
     return listed or None, maps or None
 

@@ -15,6 +15,8 @@ with the same offset, sizes and strides; or, when torch would send a compact
 clone of it (a small view of a large storage), that clone made now. Any
 other tensor (one that requires grad, sparse, quantized, not on the CPU) is
 cloned: the same values, dtype, device and autograd link, its own storage.
+A CUDA tensor is cloned on its device, on the current stream: after the
+CUDA work the generator queued there, before any it queues once resumed.
 """
 
 from __future__ import annotations
