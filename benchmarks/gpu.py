@@ -1,8 +1,9 @@
-"""CUDA tensors between two workers sharing one GPU, and the vmap engine on the GPU.
+"""CUDA tensors between two workers on GPUs, and the vmap engine on a GPU.
 
 1. The round trip of a CUDA tensor (1 MiB and 64 MiB) from worker0 to worker1
    and back, three ways, alternating round by round in one world started
-   with `devices="cuda"`:
+   with `devices="cuda"` (on a machine with one GPU both workers share cuda:0;
+   with two or more, each has its own):
    - asyncrpc: `asyncrpc.rpc_sync`, the tensor moved along the device maps;
    - torch: `torch.distributed.rpc.rpc_sync`, same world, same maps;
    - CPU detour: what users do without maps: `.cpu()` before the call, the
@@ -144,7 +145,8 @@ def main(ctx: asyncrpc.Context, opts: argparse.Namespace) -> None:
 
 
 def report(results: dict[str, Any], where: str) -> None:
-    print(f"CUDA tensors between two workers on {where} (median of rounds; GB/s both ways)")
+    kind = "CUDA tensors" if torch.cuda.is_available() else "CPU tensors (no CUDA here)"
+    print(f"{kind} between two workers on {where} (median of rounds; GB/s both ways)")
     print("| size | way | ms per round trip | GB/s | vs torch |")
     print("|---|---|---|---|---|")
     for size, rows in results["transfers"].items():

@@ -30,15 +30,18 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine
 @pytest.mark.parametrize(
     ("devices", "device_maps", "says"),
     [
-        ("gpu", None, "'cuda' (one GPU per worker"),
+        ("gpu", None, "or 'cuda' for one per worker, or 'cpu' for none; got 'gpu'"),
         ("cuda:x", None, "got 'cuda:x'"),
-        (["cpu"], None, "'cpu' for none; got 'cpu'"),
-        ([], None, "got []"),
+        (["cuda:0", "cuda:0"], None, "lists a device twice"),
+        ({"cuda:0"}, None, "got {'cuda:0'}"),
+        (True, None, "got True"),
+        ("cuda:-1", None, "got 'cuda:-1'"),
         (3.5, None, "got 3.5"),
         ({"worker1": "tpu"}, None, "got 'tpu'"),
         (None, {"worker1": "cuda:1"}, "device_maps must be torch's"),
         (None, [("worker1", {})], "device_maps must be torch's"),
-        (None, {"worker1": {"cuda:0": "meta"}}, "got 'meta'"),
+        (None, {"worker1": {"cuda:0": "meta"}}, "device_maps name CUDA devices"),
+        (None, {"w1": {"cuda:0": "cuda:1", 1: "cuda:1"}}, "maps two devices to one"),
     ],
 )
 def test_devices_of_a_wrong_shape_are_refused_saying_what_is_allowed(
@@ -70,8 +73,11 @@ def test_run_with_devices_cuda_fails_before_any_process_starts() -> None:
 
 
 def test_cpu_and_the_default_need_no_cuda() -> None:
-    for devices in (None, "cpu", {"worker0": "cpu"}, {"learner": "cuda", 3: "cpu"}):
+    for devices in (None, "cpu", "cpu:0", [], ["cpu"], torch.device("cpu"), {"worker0": "cpu"},
+                    {"learner": "cuda", 3: "cpu"}):  # fmt: skip
         assert asyncrpc.Settings(devices=devices).devices == devices
+        wants = isinstance(devices, dict) and "learner" in devices
+        assert _devices.wants_cuda(devices, None) is wants
 
 
 def _context(name: str, names: tuple[str, ...]) -> asyncrpc.Context:
@@ -84,11 +90,14 @@ def test_the_maps_pair_each_gpu_worker_with_every_other_gpu_worker() -> None:
     store = HashStore()
     for name, devices in zip(names, ("cuda:0", "", "cuda:1"), strict=True):
         store.set(name, devices)
+    # Each maps to itself too: torch sends a call to its own name through its agent.
     assert _devices._maps("cuda:0", _context("worker0", names), store, 5) == {
-        "worker2": {"cuda:0": "cuda:1"}
+        "worker0": {"cuda:0": "cuda:0"},
+        "worker2": {"cuda:0": "cuda:1"},
     }
     assert _devices._maps("cuda:1", _context("worker2", names), store, 5) == {
-        "worker0": {"cuda:1": "cuda:0"}
+        "worker0": {"cuda:1": "cuda:0"},
+        "worker2": {"cuda:1": "cuda:1"},
     }
 
 
@@ -106,6 +115,18 @@ def test_a_worker_takes_its_own_entry_by_name_role_or_rank() -> None:
     assert _devices.own({"learner0": "cuda"}, ctx) == []
     assert _devices.own({"actor1": "cpu", "actor": "cuda:0"}, ctx) == []
     assert _devices.own({2: "cpu"}, ctx) == []
+    with pytest.raises(asyncrpc.DeviceMapError, match=r"names \['learners'\], which is no"):
+        _devices.own({"learners": "cuda"}, ctx)
+
+
+@NO_CUDA
+def test_run_refuses_a_worker_given_cuda_or_an_unknown_key_before_any_process() -> None:
+    start = time.monotonic()
+    with pytest.raises(asyncrpc.DeviceMapError, match="devices gives \\{'worker1': 'cuda'\\}"):
+        asyncrpc.run(print, world_size=2, devices={"worker1": "cuda", "worker0": "cpu"})
+    with pytest.raises(asyncrpc.DeviceMapError, match="the roles \\['learner', 'actor'\\]"):
+        asyncrpc.run(print, roles={"learner": 1, "actor": 2}, devices={"learners": "cpu"})
+    assert time.monotonic() - start < 2.0
 
 
 def test_torchs_options_get_the_devices_the_maps_and_its_own_channels() -> None:
@@ -152,17 +173,20 @@ def test_a_world_of_named_cpu_workers_exchanges_its_devices_and_runs() -> None:
 
 @NO_CUDA
 def test_a_worker_given_cuda_on_a_machine_without_it_names_itself() -> None:
-    seen = _program("cuda-worker")
-    assert seen["error"] == "WorkerFailedError"
-    assert "worker 'worker1' is given devices 'cuda', but torch here has no CUDA" in str(
-        seen["message"]
-    )
+    # Under a launcher (init): the worker finds out as it starts, and names itself.
+    ctx = asyncrpc.Context(1, 2, "worker1", ("worker0", "worker1"))
+    with pytest.raises(asyncrpc.DeviceMapError, match="worker 'worker1' is given devices"):
+        _devices.own({"worker1": "cuda"}, ctx)
 
 
-def test_a_world_whose_members_change_refuses_devices_before_it_starts() -> None:
+def test_a_world_whose_members_change_refuses_cuda_before_it_starts() -> None:
     seen = _program("healing")
     assert seen["error"] == "DeviceMapError"
     assert "a world whose members change" in str(seen["message"])
+
+
+def test_a_world_whose_members_change_runs_with_cpu_devices() -> None:
+    assert _program("healing-cpu") == {"sum": 4.0, "published": {"worker0": "", "worker1": ""}}
 
 
 @NO_CUDA
@@ -173,8 +197,10 @@ def test_the_launcher_refuses_devices_it_cannot_have_in_one_line() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2
-    assert "asyncrpc-launch: error: devices='cuda'" in done.stderr
-    assert "(asyncrpc-launch: --devices) to run on CPU" in done.stderr
+    assert "asyncrpc-launch: error: --devices cuda asks for CUDA, but torch here has none" in (
+        done.stderr
+    )
+    assert "leave --devices out to run on CPU" in done.stderr
 
 
 def test_the_gpu_learner_example_runs_here_and_says_where_its_learner_is() -> None:

@@ -14,7 +14,7 @@ import torch
 
 from ._errors import DeviceMapError
 
-__all__ = ("check", "parse")
+__all__ = ("check", "check_keys", "parse", "wants_cuda")
 
 _SHAPES = (
     "'cuda' (one GPU per worker: cuda:(LOCAL_RANK % count)), 'cpu', 'cuda:K', a list of "
@@ -25,15 +25,17 @@ _SHAPES = (
 def check(devices: Any, device_maps: Any) -> None:
     """Raise DeviceMapError for a `devices`/`device_maps` of the wrong shape, or CUDA missing.
 
-    Run as the options are made, before any process starts.
+    Run as the options are made, before any process starts. A per-worker dict
+    that gives some worker a GPU is checked where that worker starts (another
+    machine may have one).
     """
     specs = list(devices.values()) if isinstance(devices, Mapping) else [devices]
     for spec in specs:
         parse(spec)
     if device_maps is not None:
         _check_maps(device_maps)
-    wants_cuda = any(parse(spec) for spec in specs) or bool(device_maps)
-    if wants_cuda and not isinstance(devices, Mapping) and not torch.cuda.is_available():
+    uniform = not isinstance(devices, Mapping) and bool(parse(devices))
+    if (uniform or bool(device_maps)) and not torch.cuda.is_available():
         raise DeviceMapError(
             f"devices={devices!r} device_maps={device_maps!r} ask for CUDA, but torch here "
             f"has none (torch {torch.__version__}, torch.cuda.is_available() is False); "
@@ -41,29 +43,58 @@ def check(devices: Any, device_maps: Any) -> None:
         )
 
 
+def wants_cuda(devices: Any, device_maps: Any) -> bool:
+    """Whether any worker is given a CUDA device (a CPU-only `devices` asks for none)."""
+    specs = list(devices.values()) if isinstance(devices, Mapping) else [devices]
+    return bool(device_maps) or any(parse(spec) for spec in specs)
+
+
+def check_keys(devices: Any, names: Sequence[str], roles: Sequence[str]) -> None:
+    """DeviceMapError for a per-worker dict key that names no worker, role or rank."""
+    if not isinstance(devices, Mapping):
+        return
+    known = [*names, *roles, *range(len(names))]
+    unknown = [key for key in devices if key not in known]
+    if unknown:
+        raise DeviceMapError(
+            f"devices names {unknown!r}, which is no worker, role or rank of this world; "
+            f"its keys must be among the names {list(names)}, the roles {list(roles)} or "
+            f"the ranks 0..{len(names) - 1}"
+        )
+
+
 def parse(spec: Any) -> list[str]:
-    """A worker's devices as torch names them ("cuda:0"); [] for CPU; "cuda" kept as is."""
-    if spec is None or spec == "cpu":
+    """A worker's CUDA devices as torch names them ("cuda:0"); [] for CPU; "cuda" kept."""
+    if spec is None or spec == "cpu" or (isinstance(spec, (list, tuple)) and not spec):
         return []
-    if spec == "cuda":
+    if spec == "cuda" or (isinstance(spec, torch.device) and str(spec) == "cuda"):
         return ["cuda"]
-    if isinstance(spec, (str, int, torch.device)):
-        return [_device(spec)]
-    if isinstance(spec, Sequence) and spec and not isinstance(spec, (str, bytes)):
-        return [_device(one) for one in spec]
+    if isinstance(spec, (str, int, torch.device)) and not isinstance(spec, bool):
+        return [one for one in [_device(spec, "devices")] if one != "cpu"]
+    if isinstance(spec, (list, tuple)):
+        found = [_device(one, "devices") for one in spec]
+        cuda = [one for one in found if one != "cpu"]  # the CPU needs no device of torch's
+        if len(set(cuda)) != len(cuda):
+            raise DeviceMapError(f"devices lists a device twice: {spec!r}; list each once")
+        return cuda
     raise DeviceMapError(f"devices must be {_SHAPES}; got {spec!r}")
 
 
-def _device(spec: Any) -> str:
-    if isinstance(spec, int) and not isinstance(spec, bool):
+def _device(spec: Any, what: str) -> str:
+    """`spec` as torch names a device: "cuda:K" (an index is a CUDA device), or "cpu"."""
+    if isinstance(spec, bool) or not isinstance(spec, (str, int, torch.device)):
+        raise DeviceMapError(f"{what} name devices as 'cuda:K' or 'cpu'; got {spec!r}")
+    if isinstance(spec, int) or (isinstance(spec, str) and spec.isdigit()):
         spec = f"cuda:{spec}"  # torch reads a bare index as the current accelerator's
     try:
         device = torch.device(spec)
-    except (RuntimeError, TypeError) as exc:
-        raise DeviceMapError(f"devices must be {_SHAPES}; got {spec!r} ({exc})") from exc
-    if device.type != "cuda" or device.index is None:
+    except (RuntimeError, TypeError):
+        device = None
+    if device is not None and device.type == "cpu":
+        return "cpu"
+    if device is None or device.type != "cuda" or device.index is None or device.index < 0:
         raise DeviceMapError(
-            f"devices name CUDA devices with their index ('cuda:0'), or 'cuda' for one per "
+            f"{what} name CUDA devices with their index ('cuda:0'), or 'cuda' for one per "
             f"worker, or 'cpu' for none; got {spec!r}"
         )
     return str(device)
@@ -79,7 +110,12 @@ def _check_maps(device_maps: Any) -> None:
             f"worker's device to the peer's ({{'worker1': {{'cuda:0': 'cuda:1'}}}}); got "
             f"{device_maps!r}"
         )
-    for mapping in device_maps.values():
-        for pair in mapping.items():
-            for one in pair:
-                _device(one)
+    for peer, mapping in device_maps.items():
+        for source in mapping:
+            _device(source, "device_maps")
+        targets = [_device(target, "device_maps") for target in mapping.values()]
+        if len(set(targets)) != len(targets):
+            raise DeviceMapError(
+                f"device_maps[{peer!r}] maps two devices to one ({dict(mapping)!r}); torch's "
+                f"maps are one to one: give each device a device of its own"
+            )

@@ -27,6 +27,7 @@ from ._errors import AsyncRPCError
 __all__ = (
     "LOOPBACK",
     "NODE_VARIABLE",
+    "RESTART_VARIABLE",
     "Changes",
     "bind_interface",
     "from_env",
@@ -38,6 +39,7 @@ __all__ = (
 LOOPBACK = "127.0.0.1"
 # asyncrpc-launch --elastic: the node whose launcher started this worker (its adds start there)
 NODE_VARIABLE = "ASYNCRPC_NODE"
+RESTART_VARIABLE = "ASYNCRPC_RESTART"  # asyncrpc-launch --restart: "world" or "worker"
 
 
 @dataclasses.dataclass

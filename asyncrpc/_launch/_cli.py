@@ -172,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the workers' CUDA devices, as asyncrpc.init(devices=...): 'cuda' gives each "
         "worker cuda:(LOCAL_RANK %% GPUs) and maps it to every other worker's, so CUDA "
-        "tensors move between them; 'cuda:K' for one device (default: CPU only)",
+        "tensors move between them; 'cuda:K' (or K) for one device; 'cpu' (default) for none",
     )
     parser.add_argument(
         "--interface",
@@ -293,12 +293,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.devices is not None:
         from .._core import _devices
 
-        _devices.check(args.devices, None)
-        if args.restart == "worker":
-            raise ValueError(
-                f"--devices {args.devices} maps CUDA devices in a fixed world only; leave "
-                f"--elastic, --join and --restart worker out, or --devices"
-            )
+        _devices.check_flag(args.devices, changing=args.restart == "worker")
     names = sorted(name for _, name in socket.if_nameindex())
     if args.interface is not None and args.interface not in names:
         raise ValueError(

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from .._core import _context, _init, _world
+from .._core._environ import RESTART_VARIABLE
 from .._core._errors import WorkerUnreachableError
 from .._core._liveness import Liveness, describe, leave_world
 from .._core._membership import Joining
@@ -40,7 +41,6 @@ __all__ = (
     "run_launched",
 )
 
-RESTART_VARIABLE = "ASYNCRPC_RESTART"  # asyncrpc-launch --restart: "world" or "worker"
 JOINING_VARIABLE = "ASYNCRPC_JOINING"  # --restart worker: "<torch id>,<tag>,<0|1>[,<size>]"
 NAME_VARIABLE = "ASYNCRPC_NAME"  # --elastic: an added worker's name (its rank is a new one)
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
     reason=f"needs CUDA (torch {torch.__version__} here has none); tests/gpu/run.sh runs these",
 )
 
-CHECKS = ("devices", "args_and_results", "handles_and_rrefs", "batch", "streams", "cancel",
+CHECKS = ("devices", "args_and_results", "handles", "rrefs", "batch", "streams", "cancel",
           "to_the_cpu_worker", "cpu_tensor_to_the_cpu_worker", "ensemble",
           "fanout_over_workers", "trace", "explicit_maps")  # fmt: skip
 

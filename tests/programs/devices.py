@@ -1,8 +1,8 @@
 """Worlds started with `devices`, on a machine with or without CUDA.
 
     python tests/programs/devices.py cpu-workers   # every worker named, each "cpu"
-    python tests/programs/devices.py cuda-worker   # worker1 asks for CUDA
-    python tests/programs/devices.py healing       # restart="worker" with devices
+    python tests/programs/devices.py healing       # restart="worker", worker1 given CUDA
+    python tests/programs/devices.py healing-cpu   # restart="worker", devices="cpu"
 
 Prints one JSON line: what worker0 saw (calls made, devices each worker
 published), or the error that ended the world.
@@ -41,12 +41,11 @@ if __name__ == "__main__":
     try:
         if scenario == "cpu-workers":
             asyncrpc.run(main, world_size=2, devices={"worker0": "cpu", "worker1": "cpu"})
-        elif scenario == "cuda-worker":
-            asyncrpc.run(main, world_size=2, devices={"worker1": "cuda"})
         elif scenario == "healing":
-            asyncrpc.run(
-                main, world_size=2, restart="worker", max_restarts=1, devices={"worker1": "cpu"}
-            )
+            asyncrpc.run(main, world_size=2, restart="worker", max_restarts=1,
+                         devices={"worker1": "cuda"})  # fmt: skip
+        elif scenario == "healing-cpu":
+            asyncrpc.run(main, world_size=2, restart="worker", max_restarts=1, devices="cpu")
     except Exception as exc:
         print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
         raise SystemExit(1) from None
