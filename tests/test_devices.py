@@ -41,7 +41,8 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine
         (None, {"worker1": "cuda:1"}, "device_maps must be torch's"),
         (None, [("worker1", {})], "device_maps must be torch's"),
         (None, {"worker1": {"cuda:0": "meta"}}, "device_maps name CUDA devices"),
-        (None, {"w1": {"cuda:0": "cuda:1", 1: "cuda:1"}}, "maps two devices to one"),
+        (None, {"w1": {"cuda:0": "cuda:1", 1: "cuda:1"}}, "is not one to one"),
+        ({"worker1": "gpu"}, None, "devices['worker1']: devices name CUDA devices"),
     ],
 )
 def test_devices_of_a_wrong_shape_are_refused_saying_what_is_allowed(
@@ -105,7 +106,7 @@ def test_the_maps_wait_for_every_peer_and_say_who_is_missing() -> None:
     store = HashStore()
     store.set("worker0", "cuda:0")
     names = ("worker0", "worker1")
-    with pytest.raises(asyncrpc.RendezvousError, match=r"said its devices within 0\.2 s"):
+    with pytest.raises(asyncrpc.RendezvousError, match=r"\['worker1'\] did not say their"):
         _devices._maps("cuda:0", _context("worker0", names), store, 0.2)
 
 
@@ -126,16 +127,28 @@ def test_run_refuses_a_worker_given_cuda_or_an_unknown_key_before_any_process() 
         asyncrpc.run(print, world_size=2, devices={"worker1": "cuda", "worker0": "cpu"})
     with pytest.raises(asyncrpc.DeviceMapError, match="the roles \\['learner', 'actor'\\]"):
         asyncrpc.run(print, roles={"learner": 1, "actor": 2}, devices={"learners": "cpu"})
+    with pytest.raises(asyncrpc.DeviceMapError, match=r"maps to \['worker9'\], which is no"):
+        _devices.check_embedded(None, {"worker9": {0: 0}}, ("worker0", "worker1"), [])
     assert time.monotonic() - start < 2.0
 
 
-def test_torchs_options_get_the_devices_the_maps_and_its_own_channels() -> None:
+def test_torchs_options_get_the_maps_and_derive_the_devices_as_torch_does() -> None:
     options = _torch.backend_options(4, 30.0, "tcp://127.0.0.1:1", ("uv",), ("basic",),
-                                     ["cuda:0"], {"worker1": {"cuda:0": "cuda:1"}})  # fmt: skip
-    assert options.devices == [torch.device("cuda:0")]
+                                     {"worker1": {"cuda:0": "cuda:1"}})  # fmt: skip
     assert options.device_maps == {"worker1": {torch.device("cuda:0"): torch.device("cuda:1")}}
+    assert options.devices == []  # torch derives them from the maps and their inverses
     plain = _torch.backend_options(4, 30.0, "tcp://127.0.0.1:1", ("uv",), ("basic",))
     assert plain.devices == [] and plain.device_maps == {}
+
+
+def test_maps_are_read_in_torchs_names_and_must_be_one_to_one() -> None:
+    assert _devices.normal_maps({"w1": {0: 1, "cuda:2": torch.device("cuda:3")}, "w2": {}}) == {
+        "w1": {"cuda:0": "cuda:1", "cuda:2": "cuda:3"}
+    }
+    with pytest.raises(asyncrpc.DeviceMapError, match=r"device_maps\['w1'\] is not one to one"):
+        _devices.normal_maps({"w1": {0: "cuda:1", "cuda:0": "cuda:2"}})
+    with pytest.raises(asyncrpc.DeviceMapError, match="maps move CUDA tensors only"):
+        _devices.normal_maps({"w1": {"cpu": "cpu"}})
 
 
 def _torch_text(fragment: bytes) -> str:

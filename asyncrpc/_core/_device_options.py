@@ -14,7 +14,7 @@ import torch
 
 from ._errors import DeviceMapError
 
-__all__ = ("check", "check_keys", "parse", "wants_cuda")
+__all__ = ("check", "check_count", "check_keys", "normal_maps", "parse", "wants_cuda")
 
 _SHAPES = (
     "'cuda' (one GPU per worker: cuda:(LOCAL_RANK % count)), 'cpu', 'cuda:K', a list of "
@@ -27,26 +27,40 @@ def check(devices: Any, device_maps: Any) -> None:
 
     Run as the options are made, before any process starts. A per-worker dict
     that gives some worker a GPU is checked where that worker starts (another
-    machine may have one).
+    machine may have one), or by `asyncrpc.run` (`_devices.check_embedded`).
     """
-    specs = list(devices.values()) if isinstance(devices, Mapping) else [devices]
-    for spec in specs:
-        parse(spec)
-    if device_maps is not None:
-        _check_maps(device_maps)
-    uniform = not isinstance(devices, Mapping) and bool(parse(devices))
-    if (uniform or bool(device_maps)) and not torch.cuda.is_available():
+    if isinstance(devices, Mapping):
+        for key, spec in devices.items():
+            try:
+                parse(spec)
+            except DeviceMapError as exc:
+                raise DeviceMapError(f"devices[{key!r}]: {exc}") from None
+    uniform = [] if isinstance(devices, Mapping) else parse(devices)
+    maps = normal_maps(device_maps)
+    if (uniform or maps) and not torch.cuda.is_available():
         raise DeviceMapError(
             f"devices={devices!r} device_maps={device_maps!r} ask for CUDA, but torch here "
             f"has none (torch {torch.__version__}, torch.cuda.is_available() is False); "
             f"leave devices and device_maps out (asyncrpc-launch: --devices) to run on CPU"
+        )
+    check_count([*uniform, *(source for m in maps.values() for source in m)], "this machine")
+
+
+def check_count(devices: Sequence[str], where: str) -> None:
+    """DeviceMapError for a device past the GPUs torch sees here ("cuda" asks for any)."""
+    count = torch.cuda.device_count() if devices else 0
+    beyond = [one for one in devices if one != "cuda" and int(one.split(":")[1]) >= count]
+    if beyond:
+        raise DeviceMapError(
+            f"{where} has {count} GPU(s), cuda:0..cuda:{count - 1}, and {beyond} is asked "
+            f"for; name one of those, or 'cuda' for one per worker"
         )
 
 
 def wants_cuda(devices: Any, device_maps: Any) -> bool:
     """Whether any worker is given a CUDA device (a CPU-only `devices` asks for none)."""
     specs = list(devices.values()) if isinstance(devices, Mapping) else [devices]
-    return bool(device_maps) or any(parse(spec) for spec in specs)
+    return bool(normal_maps(device_maps)) or any(parse(spec) for spec in specs)
 
 
 def check_keys(devices: Any, names: Sequence[str], roles: Sequence[str]) -> None:
@@ -54,7 +68,7 @@ def check_keys(devices: Any, names: Sequence[str], roles: Sequence[str]) -> None
     if not isinstance(devices, Mapping):
         return
     known = [*names, *roles, *range(len(names))]
-    unknown = [key for key in devices if key not in known]
+    unknown = [key for key in devices if isinstance(key, bool) or key not in known]
     if unknown:
         raise DeviceMapError(
             f"devices names {unknown!r}, which is no worker, role or rank of this world; "
@@ -72,7 +86,7 @@ def parse(spec: Any) -> list[str]:
     if isinstance(spec, (str, int, torch.device)) and not isinstance(spec, bool):
         return [one for one in [_device(spec, "devices")] if one != "cpu"]
     if isinstance(spec, (list, tuple)):
-        found = [_device(one, "devices") for one in spec]
+        found = [_device(one, "devices", listed=True) for one in spec]
         cuda = [one for one in found if one != "cpu"]  # the CPU needs no device of torch's
         if len(set(cuda)) != len(cuda):
             raise DeviceMapError(f"devices lists a device twice: {spec!r}; list each once")
@@ -80,7 +94,7 @@ def parse(spec: Any) -> list[str]:
     raise DeviceMapError(f"devices must be {_SHAPES}; got {spec!r}")
 
 
-def _device(spec: Any, what: str) -> str:
+def _device(spec: Any, what: str, listed: bool = False) -> str:
     """`spec` as torch names a device: "cuda:K" (an index is a CUDA device), or "cpu"."""
     if isinstance(spec, bool) or not isinstance(spec, (str, int, torch.device)):
         raise DeviceMapError(f"{what} name devices as 'cuda:K' or 'cpu'; got {spec!r}")
@@ -90,17 +104,24 @@ def _device(spec: Any, what: str) -> str:
         device = torch.device(spec)
     except (RuntimeError, TypeError):
         device = None
-    if device is not None and device.type == "cpu":
+    if device is not None and device.type == "cpu" and what == "devices":
         return "cpu"
     if device is None or device.type != "cuda" or device.index is None or device.index < 0:
+        one_each = "" if listed or what != "devices" else ", or 'cuda' for one per worker"
+        cpu = ", or 'cpu' for none" if what == "devices" else " (maps move CUDA tensors only)"
         raise DeviceMapError(
-            f"{what} name CUDA devices with their index ('cuda:0'), or 'cuda' for one per "
-            f"worker, or 'cpu' for none; got {spec!r}"
+            f"{what} name CUDA devices with their index ('cuda:0'){one_each}{cpu}; got {spec!r}"
         )
     return str(device)
 
 
-def _check_maps(device_maps: Any) -> None:
+def normal_maps(device_maps: Any) -> dict[str, dict[str, str]]:
+    """`device_maps` checked and in torch's device names; DeviceMapError saying what is wrong.
+
+    Peers with an empty map are left out (they ask for nothing).
+    """
+    if device_maps is None:
+        return {}
     if not isinstance(device_maps, Mapping) or not all(
         isinstance(peer, str) and isinstance(mapping, Mapping)
         for peer, mapping in device_maps.items()
@@ -110,12 +131,14 @@ def _check_maps(device_maps: Any) -> None:
             f"worker's device to the peer's ({{'worker1': {{'cuda:0': 'cuda:1'}}}}); got "
             f"{device_maps!r}"
         )
+    maps = {}
     for peer, mapping in device_maps.items():
-        for source in mapping:
-            _device(source, "device_maps")
-        targets = [_device(target, "device_maps") for target in mapping.values()]
-        if len(set(targets)) != len(targets):
+        pairs = {_device(a, "device_maps"): _device(b, "device_maps") for a, b in mapping.items()}
+        if len(pairs) != len(mapping) or len(set(pairs.values())) != len(pairs):
             raise DeviceMapError(
-                f"device_maps[{peer!r}] maps two devices to one ({dict(mapping)!r}); torch's "
-                f"maps are one to one: give each device a device of its own"
+                f"device_maps[{peer!r}] is not one to one ({dict(mapping)!r}): torch's maps "
+                f"give each device one device of its own"
             )
+        if pairs:
+            maps[peer] = pairs
+    return maps

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from ._context import Context
-from ._device_options import check, check_keys, parse, wants_cuda
+from ._device_options import check, check_count, check_keys, normal_maps, parse, wants_cuda
 from ._environ import RESTART_VARIABLE
-from ._errors import DeviceMapError
+from ._errors import DeviceMapError, RendezvousError
 from ._records import wait_keys
 from ._torch import PrefixStore, Store
 
@@ -66,12 +66,21 @@ def refuse_changing(devices: Any, device_maps: Any) -> None:
     )
 
 
-def check_embedded(devices: Any, names: Sequence[str], roles: Sequence[str]) -> None:
-    """An embedded world's per-worker `devices`, checked before its processes start.
+def check_embedded(
+    devices: Any, device_maps: Any, names: Sequence[str], roles: Sequence[str]
+) -> None:
+    """An embedded world's `devices` and `device_maps`, checked before its processes start.
 
     Every worker of `asyncrpc.run` runs on this machine: a worker given CUDA
-    where torch has none is refused here, at once, not as it starts.
+    where torch has none, or a GPU past its count, is refused here, at once;
+    so is a map to a peer that is no worker.
     """
+    unknown = sorted(set(normal_maps(device_maps)) - set(names))
+    if unknown:
+        raise DeviceMapError(
+            f"device_maps maps to {unknown}, which is no worker of this world; its keys "
+            f"must be among {list(names)}"
+        )
     if not isinstance(devices, Mapping):
         return
     check_keys(devices, names, roles)
@@ -82,6 +91,7 @@ def check_embedded(devices: Any, names: Sequence[str], roles: Sequence[str]) -> 
             f"{torch.__version__}), and every worker of asyncrpc.run runs on this machine; "
             f"give them 'cpu', or leave devices out"
         )
+    check_count([one for spec in asking.values() for one in parse(spec)], "this machine")
 
 
 def check_flag(devices: str, changing: bool) -> None:
@@ -102,6 +112,7 @@ def check_flag(devices: str, changing: bool) -> None:
             f"--devices {devices} asks for CUDA, but torch here has none (torch "
             f"{torch.__version__}); leave --devices out to run on CPU"
         )
+    check_count(parse(devices), f"--devices {devices}: this machine")
     if cuda and changing:
         raise DeviceMapError(
             f"--devices {devices} maps CUDA devices in a fixed world only; leave "
@@ -123,32 +134,27 @@ def own(devices: Any, ctx: Context) -> list[str]:
             f"(torch {torch.__version__}); give it 'cpu' in devices, or start it on a "
             f"machine with a GPU"
         )
-    count = torch.cuda.device_count() if parsed else 0
     if parsed == ["cuda"]:
         local = int(os.environ.get("LOCAL_RANK", ctx.rank))
-        parsed = [f"cuda:{local % count}"]
-    beyond = [one for one in parsed if int(one.split(":")[1]) >= count]
-    if beyond:
-        raise DeviceMapError(
-            f"worker {ctx.name!r} is given {beyond}, but this machine has {count} GPU(s), "
-            f"cuda:0..cuda:{count - 1}; give it one of those, or 'cuda' for one per worker"
-        )
+        parsed = [f"cuda:{local % torch.cuda.device_count()}"]
+    check_count(parsed, f"worker {ctx.name!r}'s machine")
     return parsed
 
 
 def resolve(
     devices: Any, device_maps: Any, ctx: Context, store: Store, tag: str, dynamic: bool,
     timeout: float,
-) -> tuple[list[str] | None, dict[str, dict[str, str]] | None]:  # fmt: skip
-    """The `devices` and `device_maps` for this worker's TensorPipe options.
+) -> dict[str, dict[str, str]] | None:  # fmt: skip
+    """The `device_maps` for this worker's TensorPipe options; None where it has none.
 
-    (None, None) where the world asks for none (nothing exchanged). `dynamic`:
-    a world whose members change (it heals or grows), which refuses them.
+    Every worker says its devices in the store ("" for none), so a GPU peer
+    never waits for one that was given none. torch derives each worker's
+    device list from the maps and their inverses (its default), so a peer's
+    map to a device of this worker is never refused for a list it lacks.
+    `dynamic`: a world whose members change (it heals or grows): it refuses CUDA.
     """
     if devices is None:
         devices = os.environ.get(VARIABLE) or None
-    if devices is None and device_maps is None:
-        return None, None
     check(devices, device_maps)
     if dynamic or os.environ.get(RESTART_VARIABLE) == "worker":
         refuse_changing(devices, device_maps)
@@ -158,10 +164,14 @@ def resolve(
     space = PrefixStore(f"asyncrpc/{tag}/devices/", store)
     space.set(ctx.name, ",".join(mine))
     maps = {} if not mine else _maps(mine[0], ctx, space, timeout)
-    maps.update({peer: {str(a): str(b) for a, b in m.items()} for peer, m in
-                 (device_maps or {}).items()})  # fmt: skip
-    listed = sorted(set(mine) | {a for m in maps.values() for a in m})
-    return listed or None, maps or None
+    for peer, given in normal_maps(device_maps).items():
+        made = maps.get(peer, {})
+        merged = {**made, **given}
+        # The map to itself (made) is kept beside a given one where both fit one to
+        # one: `run` gives every worker the same device_maps, made for another's device.
+        one_to_one = len(set(merged.values())) == len(merged)
+        maps[peer] = merged if peer == ctx.name and one_to_one else given
+    return maps or None
 
 
 def _maps(first: str, ctx: Context, space: Store, timeout: float) -> dict[str, dict[str, str]]:
@@ -171,7 +181,14 @@ def _maps(first: str, ctx: Context, space: Store, timeout: float) -> dict[str, d
     along the map to its own name.
     """
     peers = [name for name in ctx.names if name != ctx.name]
-    wait_keys(space, peers, timeout, f"not every worker said its devices within {timeout} s")
+    try:
+        wait_keys(space, peers, timeout)
+    except RendezvousError as exc:
+        missing = [peer for peer in peers if not space.check([peer])]
+        raise RendezvousError(
+            f"{missing} did not say their devices within {timeout} s: they did not start, "
+            f"or run an asyncrpc older than this worker's"
+        ) from exc
     maps = {ctx.name: {first: first}}
     for peer in peers:
         theirs = space.get(peer).decode()

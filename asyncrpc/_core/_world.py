@@ -387,7 +387,7 @@ def _start_agent(world: World, master_addr: str, joining: Joining | None) -> Non
     world.key_rank = joining.torch_id if joining is not None else ctx.rank
     size = (joining.size if joining is not None else 0) or ctx.world_size
     world.torch_name = _membership.torch_name(ctx.name, world.key_rank, size)
-    devices, maps = _devices.resolve(
+    maps = _devices.resolve(
         settings.devices, settings.device_maps, ctx, world.store, world.tag,
         joining is not None, settings.init_timeout,
     )  # fmt: skip
@@ -403,7 +403,6 @@ def _start_agent(world: World, master_addr: str, joining: Joining | None) -> Non
         ),
         settings.transports,
         settings.channels,
-        devices,
         maps,
     )
     joins = _torch.failing_fast() if joining is not None else contextlib.nullcontext()

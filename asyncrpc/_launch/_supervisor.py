@@ -106,7 +106,8 @@ def run(
             "asyncrpc.run needs world_size=N (or roles=...) to start a local world; "
             "under a launcher it takes the launcher's"
         )
-    _devices.check_embedded(settings.devices, _context.names_for(size, roles), list(roles or ()))
+    names = _context.names_for(size, roles)
+    _devices.check_embedded(settings.devices, settings.device_maps, names, list(roles or ()))
     if max_world_size is not None and size > max_world_size:
         raise ValueError(
             f"world_size={size} is above max_world_size={max_world_size}; raise "

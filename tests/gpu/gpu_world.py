@@ -229,7 +229,7 @@ if __name__ == "__main__":
         results["card"] = torch.cuda.get_device_name(0)
         for label, body, options in [
             ("gpus", gpus, {"devices": {"worker0": "cuda", "worker1": "cuda", "worker2": "cpu"}}),
-            # Every worker gets the same device_maps: each ignores the entry naming itself.
+            # Every worker gets the same device_maps: the entry naming itself is its own.
             ("explicit", explicit, {"devices": ["cuda:0"], "device_maps": {
                 "worker0": {"cuda:0": "cuda:0"}, "worker1": {"cuda:0": "cuda:0"}}}),
         ]:  # fmt: skip

@@ -90,22 +90,21 @@ def backend_options(
     init_method: str,
     transports: Sequence[str] | None,
     channels: Sequence[str] | None,
-    devices: Sequence[str] | None = None,
     device_maps: Mapping[str, Mapping[Any, Any]] | None = None,
 ) -> rpc.TensorPipeRpcBackendOptions:
     """TensorPipe's options, with its private transport and channel choice.
 
-    With `devices`, torch's own channel choice: the CPU-only set asyncrpc
-    picks on a CPU build (`channels`) has none that moves CUDA tensors.
+    With `device_maps`, torch's own channel choice (the CPU-only set asyncrpc
+    picks on a CPU build, `channels`, has none that moves CUDA tensors), and
+    torch's device list: derived from the maps and their inverses.
     """
     return rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=num_worker_threads,
         rpc_timeout=rpc_timeout,
         init_method=init_method,
-        devices=list(devices) if devices else None,
         device_maps={peer: dict(m) for peer, m in device_maps.items()} if device_maps else None,
         _transports=list(transports) if transports else None,
-        _channels=list(channels) if channels and not devices else None,
+        _channels=list(channels) if channels and not device_maps else None,
     )
 
 
