@@ -111,6 +111,17 @@ def descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def settled_descriptors(pid: int, seconds: float = 2.0) -> int:
+    """The fewest descriptors `pid` holds over `seconds`: the last removed worker's pipe
+    may still be open as it exits, and a loaded machine reads it; a leak stays."""
+    fewest = descriptors(pid)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        fewest = min(fewest, descriptors(pid))
+    return fewest
+
+
 def remove_self() -> None:
     asyncrpc.remove_workers(asyncrpc.current_context().name)
 
@@ -259,10 +270,10 @@ def edges(ctx: asyncrpc.Context) -> None:
     parent = int(os.environ["ELASTIC_PARENT"])
     for _ in range(3):  # what the first changes open (threads, spares) is not growth
         asyncrpc.remove_workers(*asyncrpc.add_workers(1))
-    before = descriptors(parent)
+    before = settled_descriptors(parent)
     for _ in range(12):
         asyncrpc.remove_workers(*asyncrpc.add_workers(1))
-    grown = descriptors(parent) - before
+    grown = settled_descriptors(parent) - before
     ignoring = asyncrpc.add_workers(1, role="stubborn")[0]
     asyncrpc.rpc_sync(ignoring, stubborn)  # removed; its main never returns
     emit("edges", tiny=tiny, after_tiny=after_tiny, grown=grown, members=list(asyncrpc.members()))
