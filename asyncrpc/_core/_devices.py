@@ -9,8 +9,8 @@ before torch's agent starts (every worker takes part, CPU ones too)::
        │  store: asyncrpc/<tag>/devices/<name> = "cuda:1"    ("" on a CPU-only worker)
        ▼
     each GPU worker reads every name's, then, for each peer with a GPU,
-       device_maps[peer] = {"cuda:i": "cuda:j"} (itself too); devices = ["cuda:i"]
-       └──> TensorPipeRpcBackendOptions(devices=..., device_maps=...)
+       device_maps[peer] = {"cuda:i": "cuda:j"} (itself too)
+       └──> TensorPipeRpcBackendOptions(device_maps=...): torch derives the devices
 
 `device_maps` given by the program are torch's own, taken as they are (they
 replace the made map for the peers they name). Each GPU worker maps its
