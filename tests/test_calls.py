@@ -112,13 +112,13 @@ def test_a_failure_nobody_waited_for_is_logged_once(
     try:
         # Dropped before it fails (fire and forget) ...
         asyncrpc.rpc_async("worker1", fail_after, args=(0.2,))
-        until(lambda: _unwaited_records(caplog))
+        assert until(lambda: _unwaited_records(caplog)), "the dropped call's failure not logged"
         # ... and dropped after it failed.
         fut = asyncrpc.rpc_async("worker2", fail_after, args=(0,))
-        until(fut.done)
+        assert until(fut.done), "a call that fails at once not done within 10 s"
         del fut
         gc.collect()
-        until(lambda: len(_unwaited_records(caplog)) >= 2)
+        assert until(lambda: len(_unwaited_records(caplog)) >= 2), _unwaited_records(caplog)
         # Read, so handled: not logged; and a success is never logged.
         read = asyncrpc.rpc_async("worker1", fail_after, args=(0,))
         with pytest.raises(KeyError):
@@ -142,7 +142,7 @@ def test_unwaited_failures_are_not_logged_by_default(
 
     caplog.set_level("WARNING", logger="asyncrpc")
     fut = asyncrpc.rpc_async("worker1", fail_after, args=(0,))
-    until(fut.done)
+    assert until(fut.done), "a call that fails at once not done within 10 s"
     del fut
     gc.collect()
     assert _unwaited_records(caplog) == []

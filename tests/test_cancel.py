@@ -164,7 +164,9 @@ def test_handles_call_all_batch_and_with_timeout_cancel(world: asyncrpc.Context)
     with pytest.raises(asyncrpc.CancelledError, match=r"Waiter\.wait\(\)"):
         fut.wait()
     both = asyncrpc.call_all([handle, asyncrpc.spawn("worker2", Waiter)], "wait", "all")
-    until(lambda: len(asyncrpc.rpc_sync("worker2", seen, args=("all",))) >= 1)
+    assert until(lambda: len(asyncrpc.rpc_sync("worker2", seen, args=("all",))) >= 1), (
+        "worker2's Waiter.wait('all') never started"
+    )
     assert both.cancel()
     with pytest.raises(asyncrpc.CancelledError):
         both.wait()
@@ -197,7 +199,9 @@ class Waiter:
 @pytest.mark.timeout(120)
 def test_1000_cancels_leave_nothing_behind(world: asyncrpc.Context) -> None:
     futs = [asyncrpc.rpc_async("worker1", wait_forever, args=(f"many-{i}",)) for i in range(1000)]
-    until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers)[0] >= 1000, 30.0)
+    assert until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers)[0] >= 1000, 30.0), (
+        asyncrpc.rpc_sync("worker1", callee_leftovers)
+    )
     assert all([fut.cancel() for fut in futs])
     for fut in futs:
         with pytest.raises(asyncrpc.CancelledError):
@@ -218,7 +222,9 @@ def test_cancelled_then_chains_stop_their_calls_and_leave_nothing_on_the_callee(
 ) -> None:
     sources = [asyncrpc.rpc_async("worker1", wait_forever, args=(f"t{i}",)) for i in range(100)]
     futs = [source.then(lambda f: f.wait()).then(lambda f: "swallowed") for source in sources]
-    until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers)[0] >= 100, 30.0)
+    assert until(lambda: asyncrpc.rpc_sync("worker1", callee_leftovers)[0] >= 100, 30.0), (
+        asyncrpc.rpc_sync("worker1", callee_leftovers)
+    )
     assert all([fut.cancel() for fut in futs])  # each one back to its call
     for fut in futs + sources:
         with pytest.raises(asyncrpc.CancelledError):
