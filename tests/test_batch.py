@@ -13,6 +13,8 @@ from torch.futures import Future
 
 import asyncrpc
 
+from conftest import until
+
 
 def double(x: int) -> int:
     return 2 * x
@@ -22,9 +24,22 @@ def lookup(key: str) -> int:
     return {"a": 1}[key]
 
 
+_naps_ended = [0]  # on the worker that napped: naps over (returned or not)
+_naps_lock = threading.Lock()
+
+
 def nap(seconds: float) -> float:
-    time.sleep(seconds)
-    return seconds
+    try:
+        time.sleep(seconds)
+        return seconds
+    finally:
+        with _naps_lock:
+            _naps_ended[0] += 1
+
+
+def naps_ended() -> int:
+    with _naps_lock:
+        return _naps_ended[0]
 
 
 @asyncrpc.async_execution
@@ -71,6 +86,7 @@ def test_calls_are_checked_as_they_are_added(world: asyncrpc.Context) -> None:
 
 
 def test_a_timed_out_message_fails_every_call_named(world: asyncrpc.Context) -> None:
+    ended = asyncrpc.rpc_sync("worker2", naps_ended)
     batch = asyncrpc.Batch(timeout=0.3)
     futs: list[Future[float]] = [batch.rpc_async("worker2", nap, args=(0.5,)) for _ in range(2)]
     batch.send()
@@ -78,7 +94,10 @@ def test_a_timed_out_message_fails_every_call_named(world: asyncrpc.Context) -> 
         with pytest.raises(asyncrpc.CallTimeoutError, match="worker2") as raised:
             fut.wait()
         assert isinstance(raised.value, RuntimeError)
-    time.sleep(1.0)  # let worker2 finish napping before the next test
+    # worker2's naps outlive their timeout: the next test finds its threads free again.
+    assert until(lambda: asyncrpc.rpc_sync("worker2", naps_ended) >= ended + 2), (
+        f"worker2 still napping: {asyncrpc.rpc_sync('worker2', naps_ended) - ended} of 2 ended"
+    )
 
 
 def test_a_block_that_raises_sends_nothing(world: asyncrpc.Context) -> None:

@@ -26,7 +26,7 @@ import asyncrpc
 from asyncrpc._core import _torch
 from asyncrpc._core._torch import _install, _patches, _versions
 
-from conftest import PROGRAMS, run_program
+from conftest import PROGRAMS, run_program, until
 
 PACKAGE = pathlib.Path(asyncrpc.__file__).parent
 BOUNDARY = PACKAGE / "_core" / "_torch"  # every file in this folder, and no other
@@ -190,9 +190,22 @@ def test_the_boundary_check_sees_private_names_through_aliases() -> None:
     assert private_torch_uses(clean) == []
 
 
-def sleepy(seconds: float) -> float:
-    time.sleep(seconds)
-    return seconds
+_sleeps_ended: dict[str, int] = {}  # on the worker that slept: sleeps over, by tag
+_sleeps_lock = threading.Lock()
+
+
+def sleepy(seconds: float, tag: str = "") -> float:
+    try:
+        time.sleep(seconds)
+        return seconds
+    finally:
+        with _sleeps_lock:
+            _sleeps_ended[tag] = _sleeps_ended.get(tag, 0) + 1
+
+
+def sleeps_ended(tag: str) -> int:
+    with _sleeps_lock:
+        return _sleeps_ended.get(tag, 0)
 
 
 def give_lock() -> threading.Lock:
@@ -312,8 +325,10 @@ def test_send_python_reaches_torchs_udf_entry(world: asyncrpc.Context) -> None:
 
 
 def test_reads_of_a_sent_future_name_torchs_failure(world: asyncrpc.Context) -> None:
+    tag = "sent-future"
+
     def sent() -> torch.futures.Future[float]:
-        return asyncrpc.rpc_async("worker1", sleepy, args=(1.0,), timeout=0.2)
+        return asyncrpc.rpc_async("worker1", sleepy, args=(1.0, tag), timeout=0.2)
 
     with pytest.raises(asyncrpc.CallTimeoutError, match="worker1"):
         sent().wait()
@@ -333,11 +348,14 @@ def test_reads_of_a_sent_future_name_torchs_failure(world: asyncrpc.Context) -> 
     gc.collect()
     assert done.wait(10)
     assert isinstance(seen[0], asyncrpc.CallTimeoutError) and "worker1" in str(seen[0])
-    raw = _torch.rpc_async("worker1", sleepy, args=(1.0,), timeout=0.2)
+    raw = _torch.rpc_async("worker1", sleepy, args=(1.0, tag), timeout=0.2)
     with pytest.raises(RuntimeError) as raised:  # torch's own calls stay torch's
         raw.wait()
     assert not isinstance(raised.value, asyncrpc.AsyncRPCError)
-    time.sleep(1.0)  # let worker1's sleepers finish before the next test
+    # worker1's four sleepers outlive their timeout: the next test finds its threads free.
+    assert until(lambda: asyncrpc.rpc_sync("worker1", sleeps_ended, args=(tag,)) >= 4), (
+        f"{asyncrpc.rpc_sync('worker1', sleeps_ended, args=(tag,))} of worker1's 4 sleepers ended"
+    )
 
 
 def test_world_caches_worker_infos(world: asyncrpc.Context) -> None:
