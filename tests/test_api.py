@@ -27,6 +27,8 @@ def test_errors_derive_from_the_base_and_a_builtin() -> None:
     assert issubclass(asyncrpc.UnknownWorkerError, LookupError)
     assert issubclass(asyncrpc.PortInUseError, OSError)
     assert issubclass(asyncrpc.NotInitializedError, RuntimeError)
+    assert issubclass(asyncrpc.StoreTimeoutError, asyncrpc.RendezvousError)
+    assert issubclass(asyncrpc.StoreTimeoutError, TimeoutError)
     for name in asyncrpc.__all__:
         obj = getattr(asyncrpc, name)
         if isinstance(obj, type) and issubclass(obj, Exception):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import select
 import signal
@@ -21,6 +22,9 @@ import pytest
 from test_exits import assert_gone, descendants, kill_tree
 from test_launch import worker_lines
 
+from asyncrpc._core import _healing
+from asyncrpc._core._errors import JOIN_REFUSED_EXIT, describe_exit
+from asyncrpc._core._membership import Joining
 from asyncrpc._launch import _cli
 
 from conftest import PROGRAMS, bin_path, run_program, start_program
@@ -96,6 +100,49 @@ def test_a_killed_worker_is_replaced_in_place_and_the_launcher_exits_0() -> None
     assert len(healed) == 1, err[-3000:]
     assert healed[0].startswith("asyncrpc: worker 'worker2' (rank 2, node "), healed
     assert healed[0].endswith("was killed by SIGKILL; replacing it in place (restart 1 of 2)")
+
+
+def test_a_start_refused_by_a_member_is_exit_77_only_for_a_replacement() -> None:
+    text = (
+        "RuntimeError: ECONNREFUSED: connection refused (this error originated at "
+        "tensorpipe/transport/uv/connection_impl.cc:132)"
+    )
+    replacement, first = Joining(5, "0", replacement=True), Joining(1, "0", replacement=False)
+    assert _healing.start_failed_exit(replacement, text) == JOIN_REFUSED_EXIT == 77
+    assert _healing.start_failed_exit(first, text) == 1  # a first start: the world starts again
+    assert _healing.start_failed_exit(None, text) == 1
+    assert _healing.start_failed_exit(replacement, "RuntimeError: boom") == 1
+    assert "refused" in describe_exit(JOIN_REFUSED_EXIT)
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launched", [False, True], ids=["embedded", "asyncrpc-launch"])
+def test_a_replacement_a_member_refused_starts_again_uncounted_under_either_supervisor(
+    launched: bool, tmp_path: pathlib.Path
+) -> None:
+    # One heal algorithm (`_launch/_replacing`) for both supervisors: a replacement
+    # that ends as one whose join a member refused (exit code 77) is started again
+    # 0.25 s later, neither a restart nor an attempt of its own, embedded and launched.
+    program = str(PROGRAMS / "refused_join.py")
+    if launched:
+        argv = ["--nproc-per-node", "3", "--max-restarts", "2", *WORKER_RESTART]
+        done = run_program(bin_path("asyncrpc-launch"), *argv, program, str(tmp_path),
+                           timeout=90)  # fmt: skip
+    else:
+        done = run_program("python", program, str(tmp_path), timeout=90)
+    assert done.returncode == 0, done.stderr[-5000:]
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == 1, done.stdout[-3000:]
+    assert json.loads(results[0].removeprefix("RESULT ")) == {
+        "attempt": 1,
+        "new_pid": True,
+        "refused": 2,
+    }
+    refused = "the replacement of worker 'worker2' (rank 2) could not join: another member "
+    assert done.stderr.count(refused) == 2, done.stderr[-5000:]
+    assert "replacing it in place (restart 1 of 2)" in done.stderr, done.stderr[-5000:]
+    assert "restart 2 of 2" not in done.stderr, done.stderr[-5000:]
 
 
 @pytest.mark.subprocess

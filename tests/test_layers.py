@@ -2,11 +2,13 @@
 
     __init__ (the facade)  ->  _ensemble
       ->  _handles, _batch, _fanout/, _trace/, _launch/  (features, apart from each other)
-      ->  _core/  (the RPC core; its own modules in the order below)
+      ->  _core/  (the RPC core: named tiers, `CORE_TIERS`, each in its own order)
 
 A subpackage (`_core/_torch/`) has its place among its siblings and its own
 order inside; its `__init__` gathers its modules, so it ranks above them.
 Imports are read from the source with `ast`, lazy ones inside functions included.
+An import made for types only (under `if TYPE_CHECKING:`) may point up, but never
+closes a circle: every ordinary import-graph tool counts it.
 """
 
 from __future__ import annotations
@@ -25,17 +27,17 @@ LAYERS: list[list[str]] = [
     ["_ensemble"],
     ["__init__"],
 ]
-INSIDE: dict[str, list[str]] = {
-    "_core": [
-        "_errors",
-        "_runtime",
-        "_torch",
-        "_failures",
-        "_unwaited",
-        "_futures",
-        "_cancel",
-        "_activity",
-        "_reply",
+# The RPC core in tiers, lowest first; each tier's modules in their own order. A module
+# imports only from the modules before it: earlier in its tier, or in a lower tier.
+CORE_TIERS: dict[str, list[str]] = {
+    # What everything stands on: the exceptions, where a world's state hangs, waiting.
+    "kernel": ["_errors", "_runtime", "_polling"],
+    # Every private torch name, text and patch (a subpackage with its own order).
+    "torch boundary": ["_torch"],
+    # A call's outcome: its failure as a value, its Future, its cancel, in flight.
+    "outcomes": ["_failures", "_unwaited", "_futures", "_cancel", "_activity", "_reply"],
+    # What a world is made of: options, addresses, the store, members and their records.
+    "world state": [
         "_device_options",
         "_context",
         "_net",
@@ -46,23 +48,24 @@ INSIDE: dict[str, list[str]] = {
         "_membership",
         "_records",
         "_devices",
-        "_healing",
         "_forks",
+    ],
+    # Seeing inside a running world: registration, snapshots, the side channel, hangs.
+    "diagnostics": ["_registry", "_snapshot", "_side", "_waits", "_hang"],
+    # Starting, healing, growing and ending a world.
+    "world lifecycle": [
+        "_healing",
         "_hooks",
-        "_registry",
-        "_snapshot",
-        "_side",
-        "_waits",
-        "_hang",
         "_threadstates",
         "_world",
         "_elastic",
         "_init",
-        "_execution",
-        "_calls",
-        "_stream_items",
-        "_stream",
     ],
+    # The verbs: what runs on the callee, the one call path, streams.
+    "call path": ["_execution", "_calls", "_stream_items", "_stream"],
+}
+INSIDE: dict[str, list[str]] = {
+    "_core": [module for tier in CORE_TIERS.values() for module in tier],
     "_fanout": [
         "_tuner",
         "_exit",
@@ -113,7 +116,10 @@ INSIDE: dict[str, list[str]] = {
         "_changes",
         "_spares",
         "_replacing",
+        "_local",
+        "_healing_world",
         "_supervisor",
+        "_plan",
         "_node_changes",
         "_nodes",
         "_cli",
@@ -159,12 +165,18 @@ def _position(unit: str, inner: str) -> tuple[int, ...]:
     return (place, *_position(package, rest))
 
 
-def _imports(module: str, source: str, is_package: bool, known: set[str]) -> set[str]:
-    """The package's own modules that `module` (whose code is `source`) imports."""
+def _imports(
+    module: str, source: str, is_package: bool, known: set[str], types_too: bool = False
+) -> set[str]:
+    """The package's own modules that `module` (whose code is `source`) imports.
+
+    `types_too`: also those imported under `if TYPE_CHECKING:` (for types only).
+    """
     parts = [] if module == "__init__" else module.split(".")
     base = parts if is_package else parts[:-1]
     targets = set()
-    for node in _runtime_nodes(ast.parse(source)):
+    tree = ast.parse(source)
+    for node in ast.walk(tree) if types_too else _runtime_nodes(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 anchor = base[: len(base) - (node.level - 1)] if node.level > 1 else base
@@ -243,3 +255,85 @@ def test_a_subpackage_has_its_own_order_and_its_init_ranks_above_it() -> None:
     found = _imports("_core._torch._agent", source, False, set(_modules()))
     assert found == {"_core._torch._install"}
     assert _rank("_core._torch._install") > _rank("_core._torch._agent")
+
+
+def _graph(types_too: bool) -> dict[str, set[str]]:
+    """Every module's imports of the package's own modules (a package's `__init__`
+    gathering its own submodules left out: that is how a package is made, not a circle)."""
+    modules = _modules()
+    known = set(modules)
+    graph = {}
+    for module, path in modules.items():
+        found = _imports(module, path.read_text(), path.name == "__init__.py", known, types_too)
+        graph[module] = {t for t in found if not t.startswith(module + ".") and t != module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph`: its strongly connected parts of two or more (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            part = []
+            while True:
+                top = stack.pop()
+                part.append(top)
+                if top == node:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_even_counting_imports_for_types_only() -> None:
+    circles = _circles(_graph(types_too=True))
+    assert not circles, "import circles (type-only imports counted):\n" + "\n".join(
+        " <-> ".join(f"asyncrpc.{m}" for m in circle) for circle in circles
+    )
+
+
+def test_the_circle_check_sees_a_types_only_import_that_closes_one() -> None:
+    # The runtime importing the world for one annotation closed a circle of 28 modules once.
+    graph = _graph(types_too=True)
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._world import World\n"
+    graph["_core._runtime"] = _imports("_core._runtime", source, False, set(graph), True)
+    assert graph["_core._runtime"] == {"_core._world"}
+    circle = next(c for c in _circles(graph) if "_core._runtime" in c)
+    assert {"_core._runtime", "_core._world"} <= set(circle)
+    # Left out of the layer order, as before: only the circle check sees it.
+    assert _imports("_core._runtime", source, False, set(graph)) == set()
+
+
+def test_the_core_tiers_place_every_module_once_and_design_md_names_them() -> None:
+    placed = [module for tier in CORE_TIERS.values() for module in tier]
+    assert len(placed) == len(set(placed)), "a module placed in two tiers"
+    assert placed == INSIDE["_core"]
+    # docs/design.md draws the same tiers, each with every one of its modules.
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    drawn: dict[str, list[str]] = {}
+    for line in design.split("<!-- core-tiers -->", 2)[1].splitlines():
+        text = line.strip()
+        if ":" in text and not text.startswith("->"):  # a tier's line; "->" continues one
+            tier, _, text = text.partition(":")
+            drawn[tier] = []
+        if drawn and text and not text.startswith("```"):
+            drawn[list(drawn)[-1]] += text.replace("->", " ").split()
+    assert list(drawn) == list(reversed(CORE_TIERS)), "docs/design.md draws the tiers, top first"
+    for tier, modules in CORE_TIERS.items():
+        assert drawn[tier] == modules, (tier, drawn[tier], modules)

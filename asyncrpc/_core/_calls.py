@@ -19,9 +19,18 @@ reported the same way whichever verb made the call::
                               SerializationError, naming the worker
     rpc_sync from an RPC thread: refused when it would take the last free one
 
-No callback runs per call: a call's Future is torch's own, tagged with the
-worker and function; torch's read of it passes the unwrap hook
-(check_reply) and names torch's failures (asyncrpc/_core/_torch/).
+Where the reply is read, and a failure named, depends on the verb (the
+table in docs/design.md, "A call, end to end"); all three name through
+`_failures.name_failure`, so a failure reads the same whichever verb met it:
+
+- `rpc_async` (`send`): the Future returned is asyncrpc's own, which one
+  callback per call (`_reply.Reply`, on torch's Future) settles with the
+  reply, naming a failure there, unless a cancel came first;
+- `rpc_sync` (`call_sync`): waits on torch's own Future (nothing can cancel
+  it), tagged with the call's `Sent`; torch's patched `wait` unwraps a
+  Failure (`check_reply`) and names torch's failures (`_hooks`, `name_read`);
+- `remote` (`send_remote`): torch's RRef; its patched `to_here` names them
+  (`_hooks`, `name_rref`: a dead owner is `ObjectLostError`).
 """
 
 from __future__ import annotations
@@ -185,7 +194,7 @@ def check(
     `continuing`: a call that goes on with one already running (a stream's next
     pull or its close), which a worker being removed still takes until it has left.
     """
-    world = _runtime.running_world() or _world.current_world(f"asyncrpc.{verb}")
+    world = _world.running() or _world.current_world(f"asyncrpc.{verb}")
     # A world that heals or grows: members added since this one started count too.
     names = world.context.names if world.members is None else world.members.names
     worker = _worker_name(verb, to, names)
@@ -249,8 +258,10 @@ def check_timeout(verb: str, timeout: float | None) -> float:
 def send(call: Call, cancellable: bool = True) -> Future[Any]:
     """torch's rpc_async for a checked call; the reply reads as the module doc says.
 
-    The Future is asyncrpc's own (`_reply`), which a cancel can fail at once;
-    with `cancellable=False` (rpc_sync: nobody can cancel it) torch's own.
+    The Future is asyncrpc's own (`_reply`), settled by one callback on
+    torch's (named and counted there), which a cancel can fail at once; with
+    `cancellable=False` (rpc_sync: nobody can cancel it) torch's own, tagged,
+    named as it is read and counted by `call_sync`.
     """
     fut, traced, replied = _dispatch(call, remote=False)
     if cancellable:
@@ -318,7 +329,7 @@ def _dispatch(call: Call, remote: bool) -> tuple[Any, bool, Callable[[Any], None
 
 def _healing(call: Call) -> int | None:
     """The callee's torch id in a world that heals (see `_forks`), else None."""
-    world = _runtime.running_world()
+    world = _world.running()
     if world is None or world.members is None or not isinstance(call.to, WorkerInfo):
         return None
     return int(call.to.id)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _environ, _membership, _records, _world
+from . import _environ, _membership, _polling, _records, _world
 from ._errors import (
     AsyncRPCError,
     JoinTimeoutError,
@@ -37,7 +37,6 @@ from ._membership import Joined, Left, Replaced
 
 __all__ = ("add_workers", "members", "on_members", "remove_workers", "stopping")
 
-_POLL_S = 0.001  # a join takes about 0.05 s: its end is seen within a millisecond
 _STOPPED_S = 30.0  # past a removal's timeout: how long its kill and news may take
 
 
@@ -158,7 +157,7 @@ def add_workers(
         rest = [n for n in names if n in live]
         if rest:
             _ask(world, {"op": "remove", "names": rest, "by": ctx.name, "timeout": 0}, 60)
-            _wait_keys(world, [f"left/{n}" for n in rest], time.monotonic() + _STOPPED_S)
+            _wait_keys(world, [f"left/{n}" for n in rest], _STOPPED_S)
         raise
     return names
 
@@ -193,7 +192,7 @@ def remove_workers(*names: str, timeout: float | None = None) -> None:
     request = {"op": "remove", "names": list(dict.fromkeys(names)), "by": ctx.name}
     _ask(world, {**request, "timeout": seconds}, seconds + _STOPPED_S)
     others = [f"left/{n}" for n in names if n != ctx.name]
-    _wait_keys(world, others, time.monotonic() + seconds + _STOPPED_S)
+    _wait_keys(world, others, seconds + _STOPPED_S)
 
 
 def _elastic_world(what: str) -> _world.World:
@@ -237,7 +236,7 @@ def _ask(world: _world.World, request: dict[str, Any], seconds: float) -> dict[s
     space = _space(world)
     rid = int(space.add("requests", 1))
     space.set(f"request/{rid}", json.dumps(request))
-    _wait_keys(world, [f"reply/{rid}"], time.monotonic() + seconds)
+    _wait_keys(world, [f"reply/{rid}"], seconds)
     reply: dict[str, Any] = json.loads(space.get(f"reply/{rid}").decode())
     kind = reply.get("kind")
     if kind == "full":
@@ -256,7 +255,8 @@ def _wait_joined(
 ) -> None:
     space = _space(world)
     waiting = list(names)
-    while waiting:
+
+    def joined() -> bool:
         for name in list(waiting):
             if space.check([f"failed/{name}"]):
                 how = space.get(f"failed/{name}").decode()
@@ -266,23 +266,24 @@ def _wait_joined(
                 )
             if space.check([f"joined/{name}"]):
                 waiting.remove(name)
-        if not waiting:
-            return
-        if time.monotonic() > deadline:
-            raise JoinTimeoutError(
-                f"add_workers: {waiting} did not join the world within timeout={seconds} s; "
-                f"none of {list(names)} stays in it: pass a larger timeout=..., or see their "
-                f"output for what held them"
-            )
-        time.sleep(_POLL_S)
+        return not waiting
+
+    _polling.until(
+        joined,
+        deadline - time.monotonic(),
+        lambda: (
+            f"add_workers: {waiting} did not join the world within timeout={seconds} s; "
+            f"none of {list(names)} stays in it: pass a larger timeout=..., or see their "
+            f"output for what held them"
+        ),
+        JoinTimeoutError,
+    )
 
 
-def _wait_keys(world: _world.World, keys: list[str], deadline: float) -> None:
+def _wait_keys(world: _world.World, keys: list[str], seconds: float) -> None:
     space = _space(world)
-    while keys and not space.check(keys):
-        if time.monotonic() > deadline:
-            raise AsyncRPCError(
-                f"the world's supervisor did not answer ({keys} missing after the timeout); "
-                f"it may be overloaded or gone"
-            )
-        time.sleep(_POLL_S)
+    awaited = (
+        f"the world's supervisor did not answer ({keys} missing after {seconds:g} s); "
+        f"it may be overloaded or gone"
+    )
+    _polling.until(lambda: not keys or space.check(keys), seconds, awaited)

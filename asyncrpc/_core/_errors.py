@@ -33,6 +33,7 @@ __all__ = [
     "RemoteError",
     "RendezvousError",
     "SerializationError",
+    "StoreTimeoutError",
     "UnknownWorkerError",
     "UnsupportedTorchError",
     "WorkerFailedError",
@@ -49,6 +50,10 @@ class AsyncRPCError(Exception):
 
 class RendezvousError(AsyncRPCError, RuntimeError):
     """The workers could not form a world (a peer never came, a rank was taken twice...)."""
+
+
+class StoreTimeoutError(RendezvousError, TimeoutError):
+    """A wait on the world's store outlived its deadline; the message says what was awaited."""
 
 
 class PortInUseError(RendezvousError, OSError):
@@ -244,6 +249,9 @@ class WorkerFailedError(AsyncRPCError):
 # The exit code of a worker of a world that heals that ends because torch closed
 # its listener (see `_healing`): the world replaces it.
 LISTENER_CLOSED_EXIT = 76
+# ... and of a replacement whose join another member refused (that member's listener
+# closed: it ends and is replaced too); its supervisor starts it again, uncounted.
+JOIN_REFUSED_EXIT = 77
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -253,6 +261,11 @@ def describe_exit(exitcode: int | None) -> str:
             f"ended (exit code {exitcode}: in a world that heals, asyncrpc's code for a "
             f"worker whose listener torch had closed, so that no process could connect to "
             f"it any more)"
+        )
+    if exitcode == JOIN_REFUSED_EXIT:
+        return (
+            f"ended (exit code {exitcode}: in a world that heals, asyncrpc's code for a "
+            f"replacement whose join another member refused, its listener closed)"
         )
     if exitcode is None or exitcode >= 0:
         return f"exited with code {exitcode}"

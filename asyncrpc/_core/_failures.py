@@ -38,7 +38,8 @@ import sys
 import threading
 import traceback
 import types
-from typing import Any, NoReturn
+from collections.abc import Mapping
+from typing import Any, NoReturn, Protocol
 
 from . import _runtime, _torch
 from ._errors import (
@@ -413,9 +414,32 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
     return named
 
 
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class _Left(Protocol):
+    @property
+    def left(self) -> Mapping[str, str]: ...  # a member that left: why
+
+
+class _World(Protocol):
+    """What naming a failure reads of the running world (`_world.World`, layers above)."""
+
+    @property
+    def members(self) -> _Left | None: ...  # `_membership.Members` in a world that heals
+
+    @property
+    def stopping(self) -> threading.Event: ...  # this worker is being removed
+
+    @property
+    def context(self) -> _Named: ...  # `_context.Context`
+
+
 def _unreachable(worker: str, func: object, first: str) -> WorkerUnreachableError:
     """A call's worker could not be reached: it died, left, or this worker was removed."""
-    world = _runtime.running_world()
+    world: _World | None = _runtime.running_world()
     members = world.members if world is not None else None
     if world is not None and members is not None and world.stopping.is_set():
         removed = members.left.get(world.context.name, "removed")

@@ -34,10 +34,9 @@ sender is known dead (`_hooks._check_fork`).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from . import _torch
+from . import _polling, _torch
 from ._errors import ObjectLostError, WorkerUnreachableError
 from ._membership import Members
 
@@ -78,25 +77,27 @@ def _confirmed(py_rref: Any, owner: int, members: Members) -> None:
     never completes the creation of an owner that died: its death is learnt
     from the members (within a heal's notice), bounded by `_CONFIRM_S`.
     """
-    deadline = time.monotonic() + _CONFIRM_S
-    while True:
+
+    def lost(why: str) -> ObjectLostError:
+        name = members.name_of(owner) or ""
+        return ObjectLostError(
+            f"an RRef passed to a call refers to an object that does not exist: {why} "
+            f"(worker {name!r}); it has probably died: make the object again",
+            name,
+        )
+
+    def made() -> bool:
         done = _torch.created(py_rref)
-        if done:
-            return
-        members.check_owner(owner, "the object of an RRef passed to a call")
-        if done is False or time.monotonic() > deadline:
-            name = members.name_of(owner) or ""
-            why = "its owner failed to make it" if done is False else "its owner did not make it"
-            raise ObjectLostError(
-                f"an RRef passed to a call refers to an object that does not exist: {why} "
-                f"(worker {name!r}); it has probably died: make the object again",
-                name,
-            )
-        time.sleep(_POLL_S)
+        if not done:
+            members.check_owner(owner, "the object of an RRef passed to a call")
+        if done is False:
+            raise lost("its owner failed to make it")
+        return bool(done)
+
+    _polling.until(made, _CONFIRM_S, "its owner did not make it", lost)
 
 
 _CONFIRM_S = 60.0
-_POLL_S = 0.001
 
 
 def _lend(py_rref: Any, owner: int, kind: str, members: Members, what: str) -> tuple[Any, ...]:

@@ -12,32 +12,62 @@ moments a world that heals differs from one that does not::
             welcome(...)      (RPC, on each survivor) the replacement is up
     end     leave(world)      every main done, every RRef deleted, then stop
 
-The world itself (`_world.World`) is passed in, or, for what arrives by RPC
-or the side channel, read from the runtime (`_runtime`).
+The world itself (`_world.World`, a layer above) is passed in, or, for
+what arrives by RPC or the side channel, read from the runtime
+(`_runtime`); `_World` names what this module reads and sets of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed.rpc as rpc
 
-from . import _membership, _records, _runtime, _torch
-from ._errors import LISTENER_CLOSED_EXIT
-from ._membership import Joining
+from . import _membership, _polling, _records, _runtime, _torch
+from ._context import Context, Settings
+from ._errors import JOIN_REFUSED_EXIT, LISTENER_CLOSED_EXIT
+from ._membership import Joining, Members
+from ._torch import Store
 
-if TYPE_CHECKING:
-    from ._world import World
-
-__all__ = ("join", "leave", "news")
-
-_FINISH_POLL_S = 0.01  # how often a leaving worker looks whether its calls are done
+__all__ = ("join", "leave", "news", "start_failed_exit")
 
 
-def join(world: World, joining: Joining) -> None:
+class _World(Protocol):
+    """What a member of a world that heals reads and sets of its world (`_world.World`)."""
+
+    members: Members | None  # set by `join`
+
+    @property
+    def context(self) -> Context: ...
+
+    @property
+    def settings(self) -> Settings | None: ...
+
+    @property
+    def store(self) -> Store | None: ...
+
+    @property
+    def tag(self) -> str: ...  # the world's key space in the store
+
+    @property
+    def key_rank(self) -> int: ...  # this process's torch id
+
+    @property
+    def stack(self) -> contextlib.ExitStack: ...  # what undoes the world
+
+    @property
+    def members_known(self) -> threading.Event: ...
+
+    @property
+    def stopping(self) -> threading.Event: ...
+
+
+def join(world: _World, joining: Joining) -> None:
     """After torch's join: publish this member, meet the others (or welcome them)."""
     ctx, settings = world.context, world.settings
     assert world.store is not None and settings is not None
@@ -64,7 +94,20 @@ def join(world: World, joining: Joining) -> None:
         _records.wait_for_all(space, ctx.names, settings.init_timeout, key="ready")
 
 
-def _listener_closed(world: World) -> None:
+def start_failed_exit(joining: Joining | None, text: str) -> int:
+    """The exit code of a worker whose start failed, with traceback `text`.
+
+    `JOIN_REFUSED_EXIT` for a replacement whose join another member refused:
+    that member's listener closed, and it ends to be replaced too. Its
+    supervisor (embedded, or a launcher) starts it again a moment later,
+    uncounted (`_launch/_replacing`). Else 1.
+    """
+    if joining is not None and joining.replacement and _torch.refused(text):
+        return JOIN_REFUSED_EXIT
+    return 1
+
+
+def _listener_closed(world: _World) -> None:
     """torch's listener here stopped accepting: restart, or no replacement could join again.
 
     A worker no process can connect to any more is a failed worker in a world
@@ -86,7 +129,7 @@ def _listener_closed(world: World) -> None:
     os._exit(LISTENER_CLOSED_EXIT)  # the main thread may be blocked in torch (a call, a wait)
 
 
-def _welcome_all(world: World, timeout: float) -> None:
+def _welcome_all(world: _World, timeout: float) -> None:
     """Tell every other member that this replacement is up (before `main` runs here)."""
     ctx, members = world.context, world.members
     assert members is not None
@@ -107,9 +150,9 @@ def _welcome_all(world: World, timeout: float) -> None:
             continue
 
 
-def _starting_members() -> World | None:
+def _starting_members() -> _World | None:
     """This process's world, once it knows its members (waiting while it starts)."""
-    world = _runtime.running_world()
+    world: _World | None = _runtime.running_world()
     if world is not None and world.settings is not None:
         world.members_known.wait(world.settings.init_timeout)
     return world
@@ -143,7 +186,7 @@ def news(text: str) -> None:
     _membership.heal_space(world.store, world.tag).set(f"{seq}/ack/{world.context.name}", "1")
 
 
-def _leaving(world: World, name: str, why: str) -> None:
+def _leaving(world: _World, name: str, why: str) -> None:
     """`name` is being removed: calls to it fail from now; if it is this worker, it stops."""
     assert world.members is not None
     world.members.leaving(name, why)
@@ -151,7 +194,7 @@ def _leaving(world: World, name: str, why: str) -> None:
         world.stopping.set()
 
 
-def _departed(world: World, name: str, torch_id: int, why: str) -> None:
+def _departed(world: _World, name: str, torch_id: int, why: str) -> None:
     """`name`'s process has left the world: its objects are lost, its pipe closed."""
     assert world.members is not None
     event = world.members.departed(name, torch_id, why)
@@ -177,14 +220,10 @@ def _finish(members: _membership.Members, timeout: float) -> None:
 
     Unbounded without `timeout`: its supervisor stops it at the removal's.
     """
-    deadline = time.monotonic() + timeout if timeout > 0 else None
-    while _torch.serving() or members.busy():
-        if deadline is not None and time.monotonic() > deadline:
-            return
-        time.sleep(_FINISH_POLL_S)
+    _polling.within(lambda: not (_torch.serving() or members.busy()), timeout or None)
 
 
-def leave(world: World, graceful: bool, timeout: float) -> None:
+def leave(world: _World, graceful: bool, timeout: float) -> None:
     """Leave a world that heals: once every member's `main` is done, all at once.
 
     torch's graceful leave of a dynamic group passes a token from member to

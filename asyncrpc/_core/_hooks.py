@@ -17,16 +17,27 @@ there as it starts, or as it adopts torch's.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Protocol
 
 from . import _cancel, _forks, _rendezvous, _runtime, _torch
 from ._cancel import Sent
 from ._errors import ObjectLostError, WorkerUnreachableError
 from ._failures import check_reply, hold, name_failure
 from ._futures import await_future, then_child
+from ._membership import Members
 from ._unwaited import log_unwaited_failures
 
 __all__ = ("HOOKS", "install", "owner_of")
+
+
+class _World(Protocol):
+    """What these hooks read of the running world (`_world.World`, a layer above)."""
+
+    @property
+    def members(self) -> Members | None: ...  # a world that heals: see _membership
+
+    @property
+    def key_rank(self) -> int: ...  # this process's torch id
 
 
 def install() -> None:
@@ -52,7 +63,7 @@ def _check_fork(owner: Any, sender: int | None = None) -> bool:
     a fork that involves a dead process is refused here first. Cheap where
     nothing died: one attribute read. True in a world that heals.
     """
-    world = _runtime.running_world()
+    world: _World | None = _runtime.running_world()
     members = world.members if world is not None else None
     if members is None:
         return False
@@ -73,7 +84,7 @@ def _check_fork(owner: Any, sender: int | None = None) -> bool:
 
 def _reduce_rref(py_rref: Any, to: int, keep: list[Any] | None) -> Any:
     """An RRef pickled into an asyncrpc call to torch id `to`, or its reply (`keep` None)."""
-    world = _runtime.running_world()
+    world: _World | None = _runtime.running_world()
     if world is None or world.members is None:
         _check_fork(py_rref)
         return None
@@ -86,7 +97,7 @@ def owner_of(rref: Any, what: str) -> str:
     `what` names the object in the error ("the object of this handle").
     """
     owner = _torch.rref_owner(rref)
-    world = _runtime.running_world()
+    world: _World | None = _runtime.running_world()
     if world is not None and world.members is not None:
         owner_id = owner if isinstance(owner, int) else int(owner.id)
         world.members.check_owner(owner_id, what)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from . import _polling
 from ._errors import describe_exit
 from ._torch import PrefixStore, Store
 
@@ -43,7 +44,7 @@ __all__ = ["Liveness", "describe", "leave_world", "report_exits"]
 
 INTERVAL_S = 0.5
 TIMEOUT_S = 3.0
-_LEAVING_POLL_S = 0.05
+_ALL_LEAVING = "every worker is leaving"  # `meet_to_leave` met them all
 # Raised by a store operation when the process hosting the store has ended.
 _STORE_GONE = (RuntimeError, dist.DistNetworkError)
 
@@ -134,18 +135,18 @@ class Liveness:
         when all are leaving. `timeout` > 0 bounds the wait (then None: the
         shutdown that follows reports its own timeout); 0 waits while peers live.
         """
-        deadline = time.monotonic() + timeout if timeout > 0 else None
+
+        def met() -> str | None:
+            if int(self.space.add("leaving", 0)) >= len(self.names):
+                return _ALL_LEAVING
+            return self.failure
+
         try:
             self.space.add("leaving", 1)
-            while int(self.space.add("leaving", 0)) < len(self.names):
-                if self.failure is not None:
-                    return self.failure
-                if deadline is not None and time.monotonic() > deadline:
-                    return None
-                time.sleep(_LEAVING_POLL_S)
+            seen = _polling.within(met, timeout if timeout > 0 else None)
         except _STORE_GONE:
             return None  # the store's host has left: the world is over for everyone
-        return None
+        return None if seen is _ALL_LEAVING else seen
 
     def _check(self, beats: dict[str, int], last: dict[int, tuple[bytes, float]]) -> str | None:
         if self.space.check(["failed"]):
@@ -200,10 +201,8 @@ def report_exits(
 
 def _wait_for(space: Store, keys: list[str], timeout: float) -> None:
     """Poll until every key is in the store, at most `timeout` s (or until the store ends)."""
-    deadline = time.monotonic() + timeout
     with contextlib.suppress(*_STORE_GONE):
-        while not space.check(keys) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _polling.within(lambda: space.check(keys), timeout)
 
 
 def leave_world(record: str) -> None:

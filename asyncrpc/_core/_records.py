@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ._errors import RendezvousError
+from . import _polling
 from ._membership import Members
 
 if TYPE_CHECKING:
@@ -53,7 +53,6 @@ __all__ = (
     "wait_keys",
 )
 
-_POLL_S = 0.01
 _LOOK_S = 1.0  # how often a member waiting for the world's end looks again, unwoken
 _STOP_S = 30.0  # how long members wait for each other to stop, once every main is done
 
@@ -82,15 +81,15 @@ def wait_for_all(space: Store, names: tuple[str, ...], timeout: float, key: str 
     is not replaced in place: the world starts again (`formed`).
     """
     keys = [f"{key}/{name}" for name in names]
-    deadline = time.monotonic() + timeout
-    while not space.check(keys):
-        if time.monotonic() > deadline:
-            missing = [n for n, k in zip(names, keys, strict=True) if not space.check([k])]
-            raise RendezvousError(
-                f"workers {missing} did not join the world within init_timeout={timeout} s; "
-                f"they did not start (their own output says why)"
-            )
-        time.sleep(_POLL_S)
+
+    def missing() -> str:
+        absent = [n for n, k in zip(names, keys, strict=True) if not space.check([k])]
+        return (
+            f"workers {absent} did not join the world within init_timeout={timeout} s; "
+            f"they did not start (their own output says why)"
+        )
+
+    _polling.until(lambda: space.check(keys), timeout, missing)
 
 
 def mark_ready(space: Store, name: str) -> None:
@@ -217,10 +216,8 @@ def live_names(space: Store) -> tuple[str, ...]:
 
 def meet_to_stop(space: Store, count: int, timeout: float = 0) -> None:
     """After `meet_to_end`: wait (bounded) until all `count` members are ready to stop."""
-    deadline = time.monotonic() + (timeout if timeout > 0 else _STOP_S)
     space.add("stopping", 1)
-    while int(space.add("stopping", 0)) < count and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
+    _polling.within(lambda: int(space.add("stopping", 0)) >= count, timeout or _STOP_S)
 
 
 def _update(
@@ -242,12 +239,9 @@ def _update(
 
 
 def wait_keys(space: Store, keys: list[str], timeout: float, missing: str = "") -> None:
-    """Wait (bounded) until `space` has every key; RendezvousError(`missing`) past `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not space.check(keys):
-        if time.monotonic() > deadline:
-            raise RendezvousError(missing or f"the world's store has no {keys} after {timeout} s")
-        time.sleep(_POLL_S)
+    """Wait (bounded) until `space` has every key; StoreTimeoutError(`missing`) past `timeout`."""
+    awaited = missing or f"the world's store has no {keys} after {timeout} s"
+    _polling.until(lambda: space.check(keys), timeout, awaited)
 
 
 # ---- the store protocol: the supervisor's side ----------------------------------------

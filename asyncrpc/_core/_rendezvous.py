@@ -7,7 +7,7 @@ instead of a hang::
     worker r                       store (hosted by rank 0, the driver or torchrun)
       |--- add claim/r ------------->|   a rank taken twice   -> RendezvousError
       |--- set world/r, name/r ----->|
-      |<-- wait world/0..N-1 --------|   a missing peer       -> RendezvousError
+      |<-- wait world/0..N-1 --------|   a missing peer       -> StoreTimeoutError
       |    compare (also while       |   other world size     -> WorldSizeMismatchError
       |    waiting)                  |   a name seen twice    -> DuplicateNameError
       |--- add decided ------------->|   this worker holds its verdict
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _runtime
+from . import _polling, _runtime
 from ._errors import DuplicateNameError, RendezvousError, WorldSizeMismatchError
 from ._net import listen_on
 from ._torch import PrefixStore, Store, TCPStore
@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 HANDOFF_URL = "asyncrpc-store://"
-_POLL_S = 0.02
 _LINGER_S = 30.0  # the longest a refusing host waits for its peers to read the verdict
 _SETTLE_S = 2.0  # ... and for a peer that never joins
 
@@ -147,26 +146,28 @@ def _wait_for_peers(
     space: Store, rank: int, ranks: Iterable[int], world_size: int, timeout: float
 ) -> None:
     waiting = set(ranks)
-    deadline = time.monotonic() + timeout
-    joined_seen = -1
-    while waiting:
+    joined_seen = [-1]
+
+    def all_came() -> bool:
         joined = _joined(space, rank)
-        if joined != joined_seen:  # someone came: look who, and what size it expects
-            joined_seen = joined
+        if joined != joined_seen[0]:  # someone came: look who, and what size it expects
+            joined_seen[0] = joined
             present = {r for r in waiting if space.check([f"world/{r}"])}
             # Compared while waiting: a peer that expects fewer workers may be the
             # last one that ever comes, and its size names the mistake.
             _check_sizes(space, rank, present, world_size)
-            waiting -= present
-        if not waiting:
-            return
-        if time.monotonic() > deadline:
-            raise RendezvousError(
-                f"rank {rank} waited {timeout:g} s but ranks {sorted(waiting)} of a world of "
-                f"{world_size} never joined; start all {world_size} workers with the same "
-                f"MASTER_ADDR/MASTER_PORT, or lower world_size"
-            )
-        time.sleep(_POLL_S)
+            waiting.difference_update(present)
+        return not waiting
+
+    _polling.until(
+        all_came,
+        timeout,
+        lambda: (
+            f"rank {rank} waited {timeout:g} s but ranks {sorted(waiting)} of a world of "
+            f"{world_size} never joined; start all {world_size} workers with the same "
+            f"MASTER_ADDR/MASTER_PORT, or lower world_size"
+        ),
+    )
 
 
 def _joined(space: Store, rank: int) -> int:
@@ -193,18 +194,18 @@ def _decided(space: Store, linger: bool, world_size: int) -> None:
 def _linger(space: Store, world_size: int) -> None:
     # Done when every worker that any joined peer expects has decided; one that
     # never comes is waited for until no one has joined for _SETTLE_S.
-    deadline = time.monotonic() + _LINGER_S
-    joined_seen, last_join, expected = -1, time.monotonic(), world_size
-    while time.monotonic() < deadline:
+    seen = {"joined": -1, "at": time.monotonic(), "expected": world_size}
+
+    def settled() -> bool:
         joined, decided = int(space.add("joined", 0)), int(space.add("decided", 0))
-        if joined != joined_seen:
-            joined_seen, last_join = joined, time.monotonic()
-            expected = _expected(space, world_size, joined)
-        if decided >= expected:
-            return
-        if decided >= joined and time.monotonic() - last_join > _SETTLE_S:
-            return
-        time.sleep(_POLL_S)
+        if joined != seen["joined"]:
+            seen.update(joined=joined, at=time.monotonic())
+            seen["expected"] = _expected(space, world_size, joined)
+        if decided >= seen["expected"]:
+            return True
+        return decided >= joined and time.monotonic() - seen["at"] > _SETTLE_S
+
+    _polling.within(settled, _LINGER_S)
 
 
 def _expected(space: Store, world_size: int, joined: int) -> int:

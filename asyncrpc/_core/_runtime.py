@@ -27,10 +27,7 @@ type) stay in their modules; docs/design.md lists them.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:
-    from ._world import World
+from typing import Any, TypeVar
 
 __all__ = ("SLOT", "THREAD", "Runtime", "end", "part", "running_world")
 
@@ -115,17 +112,24 @@ SLOT = _Process()
 THREAD = _Thread()
 
 
-def running_world() -> World | None:
+def running_world() -> Any:
     """The world asyncrpc started or adopted, if one runs now (None: none, or not adopted yet).
 
-    Example::
+    Untyped here, the lowest layer, which knows no `World`: above `_world`,
+    `_world.running()` gives it typed; a module below `_world` names what it
+    reads of it in a small `Protocol` of its own (`_hooks`, `_failures`,
+    `_healing`), so no module imports a higher one, not even for a type.
 
-        world = _runtime.running_world()
+    Example (below `_world`)::
+
+        class _Healing(Protocol):
+            members: Members | None
+
+        world: _Healing | None = _runtime.running_world()
         if world is not None and world.members is not None:  # a world that heals
             ...
     """
-    world: World | None = SLOT.runtime.world
-    return world
+    return SLOT.runtime.world
 
 
 def part(kind: type[P]) -> P:

@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from . import _cancel
+from . import _cancel, _polling
 from ._torch import PrefixStore, Store, TCPStore
 
 __all__ = ["ask", "connect"]
-
-_POLL_S = 0.01
 
 
 def connect(address: str, prefix: str, timeout: float = 5.0) -> Store:
@@ -46,13 +43,14 @@ def ask(
         _cancel.send_request(store, rank, f"ask {kind} {key}")
     answers: dict[int, dict[str, Any] | None] = dict.fromkeys(keys)
     waiting = dict(keys)
-    deadline = time.monotonic() + timeout
-    while waiting and time.monotonic() < deadline:
+
+    def answered() -> bool:
         for rank, key in list(waiting.items()):
             if store.check([key]):
                 answers[rank] = json.loads(store.get(key))
                 store.delete_key(key)
                 del waiting[rank]
-        if waiting:
-            time.sleep(_POLL_S)
+        return not waiting
+
+    _polling.within(answered, timeout)  # those that did not answer in time: None
     return answers

@@ -424,7 +424,7 @@ def _open(
     with producers.lock:
         producers.open[key] = producer
         producers.counted()
-    world = _runtime.running_world()
+    world = _world.running()
     if world is not None and world.members is not None:  # a world that heals
         world.members.on_gone(_close_from)
         world.members.on_busy(open_producers)  # a removed worker leaves once they are done

@@ -123,9 +123,23 @@ def current_context() -> Context:
     return current_world("asyncrpc.current_context()").context
 
 
+def running() -> World | None:
+    """The world asyncrpc started or adopted, if one runs now (None: none, or not adopted yet).
+
+    The typed form of `_runtime.running_world()`, for the modules above this
+    one. Example::
+
+        world = _world.running()
+        if world is not None and world.members is not None:  # a world that heals
+            ...
+    """
+    world: World | None = _runtime.SLOT.runtime.world  # as running_world() reads it
+    return world
+
+
 def current_world(what: str) -> World:
     """The running world, started by asyncrpc or by torch; NotInitializedError outside one."""
-    world = _runtime.running_world()
+    world = running()
     if world is not None:
         return world
     if not _torch.agent_running():
@@ -310,7 +324,7 @@ def _end_stale_adoption() -> None:
 
 
 def _refuse_second_world() -> None:
-    world = _runtime.running_world()
+    world = running()
     if world is not None or _torch.agent_running():
         name = world.context.name if world is not None else rpc.get_worker_info().name
         raise AsyncRPCError(
@@ -440,7 +454,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             asyncrpc.shutdown()
     """
     with _runtime.SLOT.lock:
-        world = _runtime.running_world()
+        world = running()
         dead_peer = None
         try:
             if world is not None or _torch.agent_running():
@@ -493,7 +507,7 @@ def _dead_name(record: str) -> str:
 
 def current_liveness() -> Liveness | None:
     """The running world's liveness watch, if it has one."""
-    world = _runtime.running_world()
+    world = running()
     return world.liveness if world is not None else None
 
 

@@ -9,7 +9,8 @@ runs `main` and sends its traceback back on failure::
     forkserver ── fork ──> worker(payload, spec, errors):
         die with the parent; take the caller's environment and output;
         load main ─> _world.start ─> main(ctx, *args) ─> _world.shutdown
-        on failure: traceback ──errors pipe──> supervisor; exit 1
+        on failure: traceback ──errors pipe──> supervisor; exit 1 (77: a replacement's
+        join another member refused, `_core._healing.start_failed_exit`)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._core import _world
+from .._core import _healing, _world
 from . import _parent
 
 __all__ = ("KILL_AFTER_S", "caller_output", "close_outputs", "pickled_main", "spare", "worker")
@@ -152,6 +153,7 @@ def worker(
         MASTER_ADDR=host,
         MASTER_PORT=str(port),
     )
+    started = False
     try:
         main, args = _load_main(payload)
         ctx = _world.start(
@@ -166,6 +168,7 @@ def worker(
             attempt=attempt,
             joining=joining,
         )
+        started = True
         try:
             main(ctx, *args)
         except BaseException:
@@ -173,11 +176,12 @@ def worker(
             raise
         _world.shutdown()
     except BaseException:
-        errors.send(traceback.format_exc())
+        text = traceback.format_exc()
+        errors.send(text)
         sys.stdout.flush()
         sys.stderr.flush()
         # A failed agent can leave threads that block a normal interpreter exit.
-        os._exit(1)
+        os._exit(1 if started else _healing.start_failed_exit(joining, text))
 
 
 def spare(

@@ -24,7 +24,7 @@ import functools
 import time
 from collections.abc import Callable
 
-from .._core import _cancel, _membership, _records, _torch
+from .._core import _cancel, _membership, _polling, _records, _torch
 from .._core._membership import Joining
 from .._core._torch import PrefixStore, Store
 
@@ -35,7 +35,6 @@ __all__ = ("Healer",)
 # listing the name, and on a loaded machine a survivor's watcher may wait seconds
 # for a core and the GIL. One that dies meanwhile is not waited for (`Healer.running`).
 _ACK_S = 30.0
-_POLL_S = 0.005
 _NONE_ALIVE = "-1"  # spawned/<name> while no process of it lives
 _ENDING_EVERY_S = 0.1  # how often a wait for acks looks whether the world ends
 
@@ -236,16 +235,17 @@ class Healer:
                 _cancel.send_request(self.side, int(self.space.get(key).decode()), text)
 
     def _wait_for_acks(self, seq: int, names: set[str]) -> None:
+        """Wait (bounded: `_ACK_S`) until each of `names` acked, died, or the world ends."""
         waiting = {name: f"{seq}/ack/{name}" for name in names}
-        deadline = time.monotonic() + _ACK_S
-        next_look = time.monotonic() + _ENDING_EVERY_S
-        while waiting and time.monotonic() < deadline:
+        next_look = [time.monotonic() + _ENDING_EVERY_S]
+
+        def acked() -> bool:
             for name, key in list(waiting.items()):
                 if self.space.check([key]) or not self.running(name):
                     del waiting[name]
-            if waiting and time.monotonic() >= next_look:
-                next_look = time.monotonic() + _ENDING_EVERY_S
-                if self.ending():  # every main returned: members end, none need wait
-                    return
-            if waiting:
-                time.sleep(_POLL_S)
+            if waiting and time.monotonic() >= next_look[0]:
+                next_look[0] = time.monotonic() + _ENDING_EVERY_S
+                return self.ending()  # every main returned: members end, none need wait
+            return not waiting
+
+        _polling.within(acked, _ACK_S)  # one that never acks is healed next, if it died

@@ -22,10 +22,11 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
-from .._core import _context, _init, _world
+from .._core import _context, _healing, _init, _world
 from .._core._environ import RESTART_VARIABLE
 from .._core._errors import WorkerUnreachableError
 from .._core._liveness import Liveness, describe, leave_world
@@ -69,6 +70,14 @@ def run_launched(
         ctx = _init.init(world_size=world_size, roles=roles, joining=joining, name=name, **options)
     except KeyboardInterrupt:
         _interrupted()
+    except BaseException:
+        text = traceback.format_exc()
+        code = _healing.start_failed_exit(joining, text)
+        if code != 1:  # its launcher starts it again in a moment (`_replacing`)
+            print(text, file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(code)
+        raise
     if joining is not None:
         _run_healing(main, ctx, args)
         return

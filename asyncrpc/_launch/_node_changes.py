@@ -31,18 +31,52 @@ import socket
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .._core import _records
 from .._core._errors import RendezvousError, describe_exit
 from .._core._membership import Joining
+from .._core._torch import Store
 from ._changes import Changes
+from ._healer import Healer
+from ._plan import Plan
 from ._warm import Spare
 
-if TYPE_CHECKING:
-    from ._nodes import Node
-
 __all__ = ("NodeChanges",)
+
+
+class _Node(Protocol):
+    """What this module reads of its launcher's node (`_nodes.Node`, a layer above)."""
+
+    plan: Plan  # `--join` sets its node number
+    size: int  # the world's as it formed
+
+    @property
+    def heal(self) -> Store: ...  # the world's heal space in the store
+
+    @property
+    def space(self) -> Store: ...  # the launchers' own keys
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def tag(self) -> str: ...
+
+    @property
+    def first(self) -> int: ...  # the rank of its local worker 0
+
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]: ...  # its first workers
+
+    def spawn(
+        self, rank: int, local: int, joining: Joining, attempt: int, size: int, name: str | None
+    ) -> subprocess.Popen[bytes]: ...
+
+    def world_ended(self) -> bool: ...
+
+    def formed_healer(self) -> Healer | None: ...
+
 
 _KILLS_EVERY_S = 0.25  # how often a launcher looks for its removed workers' kills
 _JOIN_S = 60.0  # how long `--join` waits for node 0's answer
@@ -53,7 +87,7 @@ _POLL_S = 0.05
 class NodeChanges:
     """One launcher's side of an elastic world: its added workers, and node 0's serving."""
 
-    def __init__(self, node: Node, max_world_size: int | None) -> None:
+    def __init__(self, node: _Node, max_world_size: int | None) -> None:
         self.node = node
         self.heal = node.heal
         self.max_world_size = max_world_size

@@ -38,11 +38,11 @@ import socket
 import subprocess
 import sys
 import time
-from typing import NamedTuple
+from collections.abc import Callable
 
 import torch.distributed as dist
 
-from .._core import _membership, _records, _rendezvous
+from .._core import _membership, _polling, _records, _rendezvous
 from .._core._environ import NODE_VARIABLE
 from .._core._errors import RendezvousError, describe_exit
 from .._core._membership import Joining
@@ -51,6 +51,8 @@ from . import _parent
 from ._healer import Healer
 from ._launched import JOINING_VARIABLE, NAME_VARIABLE, RESTART_VARIABLE
 from ._node_changes import NodeChanges
+from ._plan import Plan, plan
+from ._replacing import Ended, Exit, Replacer, spent
 from ._signals import Stopped, say_stopped, stop_on_signals, stop_reason
 
 __all__ = ("run",)
@@ -63,33 +65,6 @@ _END_WAIT_S = 60.0  # ... and for the other nodes' workers to leave at the end
 _KILLED_S = 5.0  # how long a SIGKILLed worker may take to be gone
 # Raised by a store operation when node 0's launcher (the store's host) has ended.
 _STORE_GONE = (RuntimeError, dist.DistNetworkError)
-
-
-class Plan(NamedTuple):
-    """What one launcher runs: its node, the world's shape, the store, the command."""
-
-    node: int
-    nnodes: int
-    nproc: int
-    host: str
-    port: int
-    command: list[str]
-    max_restarts: int
-    elastic: bool = False  # --elastic: members may add and remove workers (`_node_changes`)
-    max_world_size: int | None = None
-    join: bool = False  # --join: this node joins a running elastic world
-
-
-def plan(args: argparse.Namespace, nproc: int) -> Plan:
-    """The `Plan` of checked launcher arguments (`_cli.build_args`)."""
-    host, _, port = args.rdzv_endpoint.rpartition(":")
-    python = [] if args.no_python else [sys.executable, "-u"] + (["-m"] if args.module else [])
-    command = [*python, args.training_script, *args.training_script_args]
-    nnodes = int(str(args.nnodes).partition(":")[0])
-    join = bool(getattr(args, "join", None))
-    return Plan(-1 if join else args.node_rank, nnodes, nproc, host.strip("[]"), int(port),
-                command, args.max_restarts, bool(getattr(args, "elastic", False)),
-                getattr(args, "max_world_size", None), join)  # fmt: skip
 
 
 def run(args: argparse.Namespace, nproc: int) -> int:
@@ -152,6 +127,8 @@ class Node:
         self.size = chosen.nnodes * chosen.nproc  # the world's as it formed (--join: node 0's)
         self.tag = TAG
         self.grow = NodeChanges(self, chosen.max_world_size) if chosen.elastic else None
+        self.replacer = Replacer(self)  # what each end of a worker means (`_replacing`)
+        self.running: set[int] = set()  # this node's first workers still running, by local
 
     def start_all(self) -> None:
         if self.grow is not None and self.plan.join:  # its workers come as node 0 orders
@@ -203,27 +180,19 @@ class Node:
 
     def watch(self) -> int:
         """Heal this node's workers until each is done; the exit status (0, or 1: failed)."""
-        running = set(range(len(self.procs)))
+        self.running = set(range(len(self.procs)))
         next_look = time.monotonic() + _STORE_EVERY_S
-        while running or (self.grow is not None and self.grow.keeps_running()):
-            for local in sorted(running):
-                code = self.procs[local].poll()
-                if code is None:
-                    continue
-                try:
-                    if code == 0 and self.world_ended():  # done
-                        running.discard(local)
-                        self._ended(self.first + local)
-                        continue
-                    if self.grow is not None and self.grow.took_exit(self.first + local, code):
-                        running.discard(local)  # it left the world
-                        continue
-                    failure = self._replace(local, code)
-                except _STORE_GONE as exc:
-                    return self._failed(self._store_gone(exc), own=False)
-                if failure is not None:
-                    return self._failed(failure, own=True)
+        while self.running or self.replacer.later or self._serving():
             try:
+                for local in sorted(self.running):
+                    code = self.procs[local].poll()
+                    if code is None:
+                        continue
+                    self.running.discard(local)  # until a replacement runs (`start`)
+                    failure = self._ended(local, code)
+                    if failure is not None:
+                        return self._failed(failure, own=True)
+                self.replacer.start_due()
                 if self.grow is not None:
                     self.grow.turn()
             except _STORE_GONE as exc:
@@ -236,11 +205,66 @@ class Node:
             time.sleep(_POLL_S)
         return self._done()
 
-    def _ended(self, rank: int) -> None:
-        """Worker `rank` ended with the world: node 0 waits for no word from it any more."""
-        name = self.grow.name_of(rank) if self.grow is not None else None
-        if self.grow is not None and name is not None:
-            self.grow.dead(name)
+    def _serving(self) -> bool:
+        """Whether this launcher has work with its first workers done: added ones, or serving."""
+        return self.grow is not None and self.grow.keeps_running()
+
+    def _ended(self, local: int, code: int) -> str | None:
+        """This node's worker `local` ended (`code`): None, or the failure that ends the world."""
+        rank, how = self.first + local, describe_exit(code)
+        names = self._names()
+        who = f"{self._describe(local)} {how}"
+        end = Ended(rank, names[rank] if names else "", code, who, how)
+        verdict = self.replacer.ended(end)
+        if verdict.exit is Exit.DONE and self.grow is not None:
+            self.grow.dead(end.name)  # node 0 waits for no word from it any more
+        if verdict.exit is Exit.UNFORMED:
+            # The others wait for it in the world's start: nothing ran yet, nothing to heal.
+            return (f"{who} while the world was starting (before every worker was ready), "
+                    f"which cannot replace it; start the run again")  # fmt: skip
+        if verdict.exit is not Exit.FAILED:
+            return None
+        limit = self.plan.max_restarts
+        if verdict.reason == "ending":
+            return f"{who} while the world was ending"
+        if limit == 0:  # --elastic alone: no restarts
+            return (f"{who}, which ends the world (launch with --max-restarts K to "
+                    f"replace a dead worker in place)")  # fmt: skip
+        return f"{who}; {spent(limit, 0, f'--max-restarts {limit}')}, so this failure ends it"
+
+    # ---- what the heal algorithm asks of this launcher (`_replacing.Supervised`) -------
+
+    def left(self, end: Ended) -> bool:
+        return self.grow is not None and self.grow.took_exit(end.rank, end.code)
+
+    def start(self, rank: int, joining: Joining, attempt: int) -> None:
+        local = rank - self.first
+        self.procs[local] = self._start(local, joining, attempt)
+        self.running.add(local)
+
+    def retire(self, rank: int) -> None:
+        """Nothing to let go of: a subprocess holds no descriptor of this launcher's."""
+
+    def stop_joining(self, names: set[str], stopping: Callable[[str], None]) -> list[str]:
+        """Kill this node's workers still joining: torch's join may wait for the dead one.
+
+        Its first workers' replacements start again (`Healer.retry`: not
+        counted); its added workers fail to join (their add raises): none stays.
+        """
+        assert self.healer is not None
+        stopped = []
+        for local, proc in enumerate(self.procs):
+            name = self.healer.names[self.first + local]
+            if name in names and proc.poll() is None:
+                stopping(name)
+                proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(_KILLED_S)  # dead before its name is forgotten
+                stopped.append(name)
+        if self.grow is not None:
+            for name in self.grow.stop_joining(names):
+                self.grow.report(name, "was stopped as it joined: another worker died meanwhile")
+        return stopped
 
     def formed_healer(self) -> Healer | None:
         """The healer of this node's world once it formed (it replaces and adds), else None."""
@@ -278,47 +302,6 @@ class Node:
             return None
         return _records.read_names(self.heal, 1.0)
 
-    def _replace(self, local: int, code: int) -> str | None:
-        """Replace the dead worker `local` in place; None when done, else the failure's line."""
-        rank, how = self.first + local, describe_exit(code)
-        who = f"{self._describe(local)} {how}"
-        names = self._names()
-        if names is None or not _records.formed(self.heal, names[: self.size]):
-            # The others wait for it in the world's start: nothing ran yet, nothing to heal.
-            return (f"{who} while the world was starting (before every worker was ready), "
-                    f"which cannot replace it; start the run again")  # fmt: skip
-        if self.healer is None:
-            self._new_healer(names)
-        assert self.healer is not None
-        healer, name = self.healer, names[rank]
-        retry = name in healer.retry
-        unjoined = healer.joining() - {name}  # they have nothing to forget
-        if not retry:
-            self._stop_joining(unjoined)
-        dead = {names[self.first + i] for i, p in enumerate(self.procs) if p.poll() is not None}
-        joining = healer.replace(rank, how, set(names) - dead - unjoined)
-        if joining is None:
-            limit = self.plan.max_restarts
-            if healer.count > limit and limit == 0:  # --elastic alone: no restarts
-                return (f"{who}, which ends the world (launch with --max-restarts K to "
-                        f"replace a dead worker in place)")  # fmt: skip
-            if healer.count > limit:
-                return (f"{who}; the world replaced workers {limit} times "
-                        f"(--max-restarts {limit}), so this failure ends it")  # fmt: skip
-            return f"{who} while the world was ending"
-        try:
-            if retry:
-                print(f"asyncrpc: the replacement of worker {name!r} (rank {rank}) was stopped "
-                      f"before it joined, as another worker died meanwhile; starting it again",
-                      file=sys.stderr, flush=True)  # fmt: skip
-            else:
-                print(f"asyncrpc: {who}; replacing it in place (restart {healer.count} of "
-                      f"{self.plan.max_restarts})", file=sys.stderr, flush=True)  # fmt: skip
-            self.procs[local] = self._start(local, joining, healer.attempts[name])
-        finally:
-            healer.started()
-        return None
-
     def _runs(self, name: str) -> bool:
         """Whether this node's process for `name` still runs (True for other nodes' names)."""
         assert self.healer is not None
@@ -326,31 +309,6 @@ class Node:
             return self.grow.extras[name].poll() is None
         local = self.healer.names.index(name) - self.first
         return not 0 <= local < len(self.procs) or self.procs[local].poll() is None
-
-    def _stop_joining(self, joining: set[str]) -> None:
-        """Kill this node's replacements still joining: torch's join may wait for the dead one.
-
-        Their deaths are seen next; they start again (`Healer.retry`: not counted).
-        """
-        assert self.healer is not None
-        stopped = []
-        for local, proc in enumerate(self.procs):
-            name = self.healer.names[self.first + local]
-            if name in joining and proc.poll() is None:
-                self.healer.stop(name)
-                proc.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(_KILLED_S)  # dead before its name is forgotten
-                stopped.append(name)
-        # Added workers still joining fail to join (their add raises): none stays.
-        added = self.grow.stop_joining(joining) if self.grow is not None else []
-        # All killed first: one still joining may hold torch's group token, which
-        # the forgetting of another would wait for.
-        for name in stopped:
-            self.healer.forget_stopped(name)
-        for name in added:
-            assert self.grow is not None
-            self.grow.report(name, "was stopped as it joined: another worker died meanwhile")
 
     def _failure_elsewhere(self) -> str | None:
         try:
@@ -393,12 +351,13 @@ class Node:
             return True
         nodes = int(self.heal.add("nodes", 0)) if self.grow is not None else self.plan.nnodes
         keys = [f"{what}/{n}" for n in range(1, max(nodes, self.plan.nnodes))]
-        deadline = time.monotonic() + timeout
-        while keys and not self.space.check(keys) and time.monotonic() < deadline:
-            if what == "left" and self.space.check(["failed"]):
-                return False
-            time.sleep(_POLL_S)
-        return True
+
+        def seen() -> str:
+            if not keys or self.space.check(keys):
+                return "all"
+            return "failed" if what == "left" and self.space.check(["failed"]) else ""
+
+        return _polling.within(seen, timeout) != "failed"
 
     def stopped(self, number: int) -> int:
         """After a signal stopped this node: the other nodes told, one line; 128 + the signal."""

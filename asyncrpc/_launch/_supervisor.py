@@ -22,21 +22,17 @@ silent peer ends the world on every node, or restarts it (the launcher's
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.connection
-import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._core import _context, _devices, _rendezvous
+from .._core import _context, _devices
 from .._core._errors import WorkerFailedError
-from .._core._membership import Joining
-from . import _child, _forkserver, _healer, _replacing, _spares
+from . import _local
+from ._healing_world import HealingWorld, Unformed
 from ._launched import launched, run_launched
+from ._local import LocalWorld
 
 __all__ = ("run",)
 
@@ -158,7 +154,7 @@ def _run_healing(
         try:
             heal = (max_restarts, used, max_world_size, elastic)
             failure = _run_embedded(main, args, size, roles, settings, 0, _GRACE_S, heal)
-        except _replacing.Unformed as unformed:
+        except Unformed as unformed:
             failure, used = unformed.failure, used + 1
             if used > max_restarts:
                 failure.add_note(
@@ -244,196 +240,49 @@ def _run_embedded(
     grace: float,
     heal: tuple[int, int, int | None, bool] | None = None,
 ) -> WorkerFailedError | None:
-    """One world of local workers.
+    """One world of local workers; the failure that ended it, if any.
 
     `heal`: (max_restarts, used, max_world_size, elastic): replace dead
     workers in place, at most max_restarts times in all, `used` of them spent
     on earlier starts; members may add workers (`_changes`), up to
     max_world_size; `elastic` (asked for): the next add starts from a spare.
     """
-    host = "127.0.0.1"
-    # Pickled here, loaded in the worker's own try: a worker that cannot load them
-    # sends the reason back instead of dying in multiprocessing's start-up.
-    payload = _child.pickled_main(main, args)
-    store = _rendezvous.host_store(host, 0, settings.init_timeout)
-    names = list(_context.names_for(world_size, roles))  # grows as workers are added
-    roles_now = dict(roles or {})
-    spawner = _forkserver.spawner(settings.start_method)
-    procs: list[BaseProcess] = []
-    errors: list[multiprocessing.connection.Connection] = []
-    outputs = _child.caller_output() if settings.start_method == "forkserver" else (None, None)
-    # Each worker reads `alive` until this process ends, however it ends (SIGKILL
-    # too): then the read sees the end of the pipe, and the worker stops itself.
-    alive, held = spawner.Pipe(duplex=False)
-    environ = dict(os.environ)
-    healer = _healer.Healer(store, "0", tuple(names), *heal[:2]) if heal is not None else None
-    if healer is not None:
-        names = healer.names
-
-    def assign(rank: int, attempt: int, joining: Joining | None) -> tuple[Any, ...]:
-        """Worker `rank`'s own part of its spec (a spare is given only this, `_spares`)."""
-        return (rank, len(names), names[rank], host, store.port, settings, roles_now or None,
-                attempt, joining)  # fmt: skip
-
-    def spawn(rank: int, attempt: int, joining: Joining | None) -> tuple[BaseProcess, Connection]:
-        reader, writer = spawner.Pipe(duplex=False)
-        spec = (*assign(rank, attempt, joining), environ, outputs, alive)
-        proc = spawner.Process(
-            target=_child.worker, args=(payload, spec, writer), name=names[rank]
-        )
-        # Listed before it starts: a Ctrl-C inside start() (the worker may already
-        # run) must still stop it, or multiprocessing's exit would wait for it.
-        procs.append(proc)
-        with _forkserver.dies_with_this_process():
-            proc.start()
-        writer.close()
-        return proc, reader
-
-    def retire(proc: BaseProcess) -> None:
-        procs.remove(proc)
-        proc.close()
-
+    world = LocalWorld(main, args, world_size, roles, settings)
     try:
-        for rank in range(world_size):
-            joining = Joining(rank, "0", replacement=False) if healer is not None else None
-            errors.append(spawn(rank, attempt, joining)[1])
-        if healer is None or heal is None:
-            _child.close_outputs(outputs)  # every worker has its own copy by now
-            alive.close()
-            return _supervise(procs, errors, names, grace)
-        current = procs[:]  # by rank; `procs` keeps every process started, to stop them
-        # A process that ended is dead before this loop has handled its end.
-        healer.alive = lambda name: _replacing.runs(current[names.index(name)])
-        spares = None
-        if heal[3]:  # elastic=True: the next add starts from a spare
-            spares = _spares.Spares(spawner, payload, (environ, outputs, alive), procs,
-                                    healer.formed)  # fmt: skip
-        healing = _replacing.Healing(
-            healer, spawn, {}, {}, retire, [], {},
-            lambda r, a, j: spares.take(assign(r, a, j)) if spares is not None else None,
-            spares.refill if spares is not None else lambda: None,
-        )  # fmt: skip
-        changes = _replacing.changes_for(healing, heal[2], roles_now, current, errors)
-        healing.changes.append(changes)
+        if heal is None:
+            for rank in range(world_size):
+                world.spawn(rank, attempt, None)
+            world.handed_out()
+            return _supervise(world, grace)
+        healing = HealingWorld(world, *heal)
         try:
-            return _supervise(current, errors, names, grace, healing)
+            healing.start_all()
+            return healing.supervise(grace)
         finally:
-            changes.close()
-            if spares is not None:
-                spares.close()
+            healing.close()
     except BaseException:
-        _stop(procs)
+        _local.stop(world.started)
         raise
     finally:
-        _child.close_outputs(outputs)
-        if not alive.closed:
-            alive.close()
-        held.close()
+        world.close()
 
 
-_WAKE_S = 0.25  # how often the supervisor's wait returns, to take a Ctrl-C
-
-
-def _supervise(
-    procs: list[BaseProcess],
-    errors: list[multiprocessing.connection.Connection],
-    names: Sequence[str],
-    grace: float,
-    healing: _replacing.Healing | None = None,
-) -> WorkerFailedError | None:
-    running: dict[object, int] = healing.running if healing is not None else {}
-    running.update({proc.sentinel: rank for rank, proc in enumerate(procs)})
-    changes = healing.changes[0] if healing is not None and healing.changes else None
+def _supervise(world: LocalWorld, grace: float) -> WorkerFailedError | None:
+    """Watch a world that does not heal: the first failure stops the others after `grace`."""
+    running: dict[object, int] = {p.sentinel: rank for rank, p in enumerate(world.procs)}
     failures: list[WorkerFailedError] = []
     deadline = None
-    while running or (healing is not None and healing.later and not failures):
-        # Never an endless wait: a Ctrl-C the kernel hands to another thread (torch's
-        # store runs some here) does not interrupt this one; Python raises it here
-        # only once the wait returns.
-        timeout = _wake_after(deadline, healing)
-        waits = list(running) + ([changes.woken] if changes is not None else [])
-        ready = multiprocessing.connection.wait(waits, max(0.0, timeout))  # type: ignore[arg-type]
-        if changes is not None and changes.woken in ready:
-            changes.drain()  # served below
-        ended = [running.pop(s) for s in ready if s in running]
-        exited = sorted(ended, key=lambda r: _signal_first(procs[r]))
-        for rank in exited:
-            procs[rank].join()
-            failure = _failure(rank, names[rank], procs[rank], errors[rank])
-            if changes is not None and not failures and _replacing.changed(changes, rank, failure):
-                healing.retire(procs[rank])  # type: ignore[union-attr]  # changes: healing
-                errors[rank].close()
-                continue
-            if procs[rank].exitcode == 0 and (healing is None or healing.healer.ending()):
-                continue
-            if healing is not None and not failures:
-                if _replacing.heal(healing, rank, failure, procs, errors, running):
-                    continue
-            failures.append(failure)
-            if healing is not None:
-                healing.later.clear()  # the world fails: nothing more starts
-        if healing is not None and not failures:
-            _replacing.start_due(healing, procs, errors, running)
-        if healing is not None and changes is not None and not failures:
-            _replacing.serve(healing, procs)
+    while running:
+        ended, _ = _local.wait(running, [], _local.wake_after(deadline))
+        for sentinel in [s for s, rank in running.items() if rank in ended]:
+            del running[sentinel]
+        for rank in sorted(ended, key=lambda r: _local.signal_first(world.procs[r])):
+            failure = world.failure(rank)
+            if failure.exitcode != 0:
+                failures.append(failure)
         if failures and deadline is None:
             deadline = time.monotonic() + grace
         if deadline is not None and time.monotonic() >= deadline and running:
-            _stop([procs[r] for r in running.values()])
+            _local.stop([world.procs[rank] for rank in running.values()])
             running.clear()
-    return _report(failures)
-
-
-def _wake_after(deadline: float | None, healing: _replacing.Healing | None) -> float:
-    """How long the supervisor's wait may last: until the grace ends or a start is due."""
-    now = time.monotonic()
-    wake = [now + _WAKE_S] + ([deadline] if deadline is not None else [])
-
-    wake += [when for when, _ in healing.later.values()] if healing is not None else []
-    return min(wake) - now
-
-
-def _signal_first(proc: BaseProcess) -> int:
-    proc.join()
-    return 0 if (proc.exitcode or 0) < 0 else 1
-
-
-def _failure(
-    rank: int, name: str, proc: BaseProcess, errors: multiprocessing.connection.Connection
-) -> WorkerFailedError:
-    text = ""
-    if errors.poll():
-        try:
-            text = str(errors.recv())
-        except (EOFError, OSError):
-            text = ""
-    return WorkerFailedError(name, rank, proc.exitcode, text)
-
-
-def _report(failures: list[WorkerFailedError]) -> WorkerFailedError | None:
-    if not failures:
-        return None
-    first = failures[0]
-    for other in failures[1:]:
-        first.add_note(f"also failed afterwards: {other.name!r} (rank {other.rank})")
-    return first
-
-
-def _stop(procs: list[BaseProcess]) -> None:
-    procs = [proc for proc in procs if proc.pid is not None]  # started (see _run_embedded)
-    try:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + _child.KILL_AFTER_S
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    except KeyboardInterrupt:  # Ctrl-C again while they stop: no second traceback, kill now
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in procs:
-            proc.join(_child.KILL_AFTER_S)
+    return _local.report(failures)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch._C._distributed_rpc import WorkerInfo
 from torch.distributed.rpc import api as _rpc_api
 from torch.distributed.rpc import backend_registry as _backends
 
+from .. import _polling
 from ._originals import rpc_async
 
 __all__ = (
@@ -190,21 +190,22 @@ def forget_member(
     fresh id.
     """
     mine = f"Token_for_asyncrpc-forget-{name}-{torch_id}_leave"
-    deadline = time.monotonic() + timeout
-    while True:
-        held = store.compare_set(_MEMBER_TOKEN, "", mine).decode()
-        if held == mine:
-            break
-        holder = _token_holder(held)
-        if holder is not None and dead(holder):
+
+    def take(force: bool) -> bool:
+        while True:
+            held = store.compare_set(_MEMBER_TOKEN, "", mine).decode()
+            if held == mine:
+                return True
+            holder = _token_holder(held)
+            if holder is None or not dead(holder):
+                break
             store.compare_set(_MEMBER_TOKEN, held, "")
             store.set(held, "Done")  # a member waiting for the token reads this key
-            continue
-        if time.monotonic() > deadline:  # stuck (a join that called a dead member): taken
-            if store.compare_set(_MEMBER_TOKEN, held, mine).decode() == mine:
-                break
-            continue
-        time.sleep(0.005)
+        return force and store.compare_set(_MEMBER_TOKEN, held, mine).decode() == mine
+
+    if not _polling.within(lambda: take(force=False), timeout):
+        while not take(force=True):  # stuck (a join that called a dead member): taken
+            pass
     try:
         entry = f"{name}-{torch_id},"
         if store.check([_MEMBER_LIST]):
