@@ -8,10 +8,8 @@ launchers) run a program from tests/programs in a subprocess instead.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -23,22 +21,17 @@ import torch
 
 import asyncrpc
 
+# tests/programs/helpers.py: what the programs share, for the tests too (`from conftest
+# import free_port` as before); a world's helper processes inherit this path.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "programs"))
+from helpers import free_port as free_port
+from helpers import start_world
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROGRAMS = pathlib.Path(__file__).resolve().parent / "programs"
 WORLD_SIZE = 3
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _serve(rank: int, port: int) -> None:
-    asyncrpc.init(rank=rank, world_size=WORLD_SIZE, master_port=port, rpc_timeout=30)
-    asyncrpc.shutdown()  # graceful: serves calls until worker0 shuts down too
 
 
 @pytest.fixture
@@ -52,12 +45,7 @@ def two_threads() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def world() -> Iterator[asyncrpc.Context]:
-    port = free_port()
-    spawner = multiprocessing.get_context("spawn")
-    helpers = [spawner.Process(target=_serve, args=(r, port)) for r in range(1, WORLD_SIZE)]
-    for proc in helpers:
-        proc.start()
-    ctx = asyncrpc.init(rank=0, world_size=WORLD_SIZE, master_port=port, rpc_timeout=30)
+    ctx, helpers = start_world(WORLD_SIZE, rpc_timeout=30)
     yield ctx
     asyncrpc.shutdown()
     for proc in helpers:
@@ -115,3 +103,4 @@ def start_program(*argv: str, env: dict[str, str]) -> subprocess.Popen[str]:
 def bin_path(name: str) -> str:
     """A console script installed beside this interpreter (asyncrpc-launch, torchrun)."""
     return str(pathlib.Path(sys.executable).parent / name)
+

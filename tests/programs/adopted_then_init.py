@@ -11,8 +11,6 @@ channel (cancels would go to the dead world's store) or its runtime.
 from __future__ import annotations
 
 import os
-import socket
-import sys
 
 import torch
 import torch.distributed.rpc as rpc
@@ -20,16 +18,7 @@ import torch.distributed.rpc as rpc
 import asyncrpc
 from asyncrpc._core import _cancel, _runtime
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def fail(text: str) -> None:
-    print(f"FAILED {text}", flush=True)
-    sys.exit(1)
+from helpers import fail, free_port
 
 
 async def wait_forever() -> None:

@@ -51,14 +51,11 @@ def _torch_worker(rank: int, port: int, seconds: float) -> None:
 if __name__ == "__main__":
     seconds = float(sys.argv[1])
     if "--torch" in sys.argv:
-        import socket
-
         import torch.multiprocessing as mp
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(_torch_worker, args=(port, seconds), nprocs=2)
+        from helpers import free_port
+
+        mp.spawn(_torch_worker, args=(free_port(), seconds), nprocs=2)
     else:
         launched = "RANK" in os.environ  # a launcher's world: its size
         asyncrpc.run(main, world_size=None if launched else 2, args=(seconds,))

@@ -5,13 +5,13 @@ worker1 and worker2 are spawned helpers. worker2 owns a Counter and is
 killed with SIGKILL while a call to it is in flight.
 """
 
-import multiprocessing
 import os
 import signal
-import socket
 import time
 
 import asyncrpc
+
+from helpers import start_world
 
 
 class Counter:
@@ -30,17 +30,6 @@ def whoami() -> str:
     return asyncrpc.current_context().name
 
 
-def serve(rank: int, port: int) -> None:
-    asyncrpc.init(rank=rank, world_size=3, master_port=port, rpc_timeout=20)
-    asyncrpc.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def report(label: str, fut_or_call: object) -> None:
     started = time.monotonic()
     try:
@@ -52,12 +41,7 @@ def report(label: str, fut_or_call: object) -> None:
 
 
 if __name__ == "__main__":
-    port = free_port()
-    spawner = multiprocessing.get_context("spawn")
-    helpers = [spawner.Process(target=serve, args=(r, port)) for r in (1, 2)]
-    for proc in helpers:
-        proc.start()
-    asyncrpc.init(rank=0, world_size=3, master_port=port, rpc_timeout=20)
+    _, helpers = start_world(3, rpc_timeout=20)
     counter = asyncrpc.spawn("worker2", Counter)
     in_flight = counter.options(timeout=10).call_async("slow", 30.0)
     os.kill(counter.call("pid"), signal.SIGKILL)

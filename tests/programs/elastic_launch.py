@@ -29,6 +29,8 @@ from typing import Any
 
 import asyncrpc
 
+from helpers import Counter, count, error_of
+
 BOUND_S = 60.0
 EVENTS: list[list[Any]] = []
 LOCK = threading.Lock()
@@ -44,30 +46,9 @@ def slow(seconds: float) -> str:
     return "finished"
 
 
-def count(n: int) -> Any:
-    yield from range(n)
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def add(self, k: int) -> int:
-        self.n += k
-        return self.n
-
-
 def _record(event: Any) -> None:
     with LOCK:
         EVENTS.append([type(event).__name__, event.name, getattr(event, "reason", "")])
-
-
-def _error(fn: Any) -> list[str]:
-    try:
-        fn()
-    except Exception as exc:  # what a user would catch
-        return [type(exc).__name__, str(exc)]
-    return ["none", ""]
 
 
 def _wait_for(check: Any, seconds: float = BOUND_S) -> None:
@@ -96,16 +77,16 @@ def grow(ctx: asyncrpc.Context) -> dict[str, Any]:
         "handle": handle.call("add", 3),
         "stream": streamed,
         "running": running.wait(),
-        "after": _error(lambda: asyncrpc.rpc_sync(added[1], whoami)),
+        "after": error_of(lambda: asyncrpc.rpc_sync(added[1], whoami)),
         "members": list(asyncrpc.members()),
-        "full": _error(lambda: asyncrpc.add_workers(1, node=7)),
+        "full": error_of(lambda: asyncrpc.add_workers(1, node=7)),
     }
     _wait_for(lambda: any(e[0] == "Left" for e in EVENTS))
     victim = asyncrpc.add_workers(1)[0]  # killed: an added worker that dies leaves
     os.kill(asyncrpc.rpc_sync(victim, whoami)[4], signal.SIGKILL)
     _wait_for(lambda: any(e[0] == "Left" and e[1] == victim for e in EVENTS))
     out["killed"] = next(e for e in EVENTS if e[0] == "Left" and e[1] == victim)
-    out["after_kill"] = _error(lambda: asyncrpc.rpc_sync(victim, whoami))
+    out["after_kill"] = error_of(lambda: asyncrpc.rpc_sync(victim, whoami))
     out["members_after_kill"] = list(asyncrpc.members())
     out["events"] = EVENTS
     return out
@@ -125,7 +106,7 @@ def nodes(ctx: asyncrpc.Context, status: str) -> dict[str, Any]:
         "who": who,
         "on_node_1": on_node_1,
         "left": sorted(e[1:] for e in EVENTS if e[0] == "Left"),
-        "after": _error(lambda: asyncrpc.rpc_sync(on_node_1[0], whoami)),
+        "after": error_of(lambda: asyncrpc.rpc_sync(on_node_1[0], whoami)),
         "rest": {n: asyncrpc.rpc_sync(n, whoami)[0] for n in rest},
         "members": list(asyncrpc.members()),
     }

@@ -31,6 +31,8 @@ from typing import Any
 
 import asyncrpc
 
+from helpers import Counter, pid
+
 DIR_VARIABLE = "ELASTIC_MODEL_DIR"
 MAX_LIVE = 6  # members at once, worker0 and worker1 included
 BOUND_S = 30.0
@@ -51,19 +53,6 @@ def record(call_id: int) -> tuple[str, int]:
         finally:
             os.close(fd)
     return asyncrpc.current_context().name, os.getpid()
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def add(self) -> int:
-        self.n += 1
-        return self.n
-
-
-def pid() -> int:
-    return os.getpid()
 
 
 def seen_members() -> tuple[str, ...]:

@@ -37,6 +37,8 @@ import torch
 
 import asyncrpc
 
+from helpers import count, error_of
+
 DIR = pathlib.Path(os.environ.get("ELASTIC_DIR", "."))
 EVENTS: list[list[Any]] = []
 BOUND_S = 30.0  # no wait of this program is longer
@@ -92,10 +94,6 @@ def slow(seconds: float) -> str:
     return "done"
 
 
-def count(n: int) -> Any:
-    yield from range(n)
-
-
 def count_slowly(n: int) -> Any:
     for i in range(n):
         time.sleep(0.05)
@@ -124,14 +122,6 @@ def settled_descriptors(pid: int, seconds: float = 2.0) -> int:
 
 def remove_self() -> None:
     asyncrpc.remove_workers(asyncrpc.current_context().name)
-
-
-def _error(fn: Any) -> list[str]:
-    try:
-        fn()
-    except Exception as exc:
-        return [type(exc).__name__, str(exc)]
-    return ["none", ""]
 
 
 def _record(event: Any) -> None:
@@ -168,11 +158,11 @@ def basic(ctx: asyncrpc.Context) -> None:
     took = time.perf_counter() - started
     emit("remove", took=took, after=list(asyncrpc.members()),
          peer=asyncrpc.rpc_sync("worker1", seen_members),
-         call=_error(lambda: asyncrpc.rpc_sync("worker2", whoami)),
-         handle=_error(lambda: handle.call("step", 1)),
-         rref=_error(lambda: rref.to_here()),
-         nested=_error(lambda: asyncrpc.rpc_sync("worker1", relay, args=("worker2",))),
-         again=_error(lambda: asyncrpc.remove_workers("worker2")))  # fmt: skip
+         call=error_of(lambda: asyncrpc.rpc_sync("worker2", whoami)),
+         handle=error_of(lambda: handle.call("step", 1)),
+         rref=error_of(lambda: rref.to_here()),
+         nested=error_of(lambda: asyncrpc.rpc_sync("worker1", relay, args=("worker2",))),
+         again=error_of(lambda: asyncrpc.remove_workers("worker2")))  # fmt: skip
     busy = asyncrpc.rpc_async("worker3", slow, args=(1.5,))
     streamed: list[Any] = []
     stream = asyncrpc.stream("worker3", count_slowly, args=(10,), window=2)
@@ -185,9 +175,9 @@ def basic(ctx: asyncrpc.Context) -> None:
     emit("busy", result=busy.wait(), streamed=streamed, after=list(asyncrpc.members()))
     actors = asyncrpc.add_workers(1, role="actor")
     emit("role", added=list(actors), context=asyncrpc.rpc_sync(actors[0], whoami),
-         full=_error(lambda: asyncrpc.add_workers(2)),
-         bad=_error(lambda: asyncrpc.add_workers(0)),
-         unknown=_error(lambda: asyncrpc.remove_workers("nobody")))  # fmt: skip
+         full=error_of(lambda: asyncrpc.add_workers(2)),
+         bad=error_of(lambda: asyncrpc.add_workers(0)),
+         unknown=error_of(lambda: asyncrpc.remove_workers("nobody")))  # fmt: skip
     asyncrpc.rpc_sync(actors[0], remove_self)  # it removes itself: returns at once
     # Events arrive on a thread of their own, on every member: wait for the last one.
     _wait_for(lambda: any(e[0] == "Left" and e[1] == actors[0] for e in EVENTS))
@@ -199,7 +189,7 @@ def basic(ctx: asyncrpc.Context) -> None:
 
 def failjoin(ctx: asyncrpc.Context) -> None:
     (DIR / "die-worker2").write_text("")
-    error = _error(lambda: asyncrpc.add_workers(1))
+    error = error_of(lambda: asyncrpc.add_workers(1))
     after = list(asyncrpc.members())
     added = asyncrpc.add_workers(1)
     emit("failjoin", error=error, after=after, added=list(added),
@@ -209,7 +199,7 @@ def failjoin(ctx: asyncrpc.Context) -> None:
 def timeout(ctx: asyncrpc.Context) -> None:
     (DIR / "slow-worker2").write_text("")
     started = time.perf_counter()
-    error = _error(lambda: asyncrpc.add_workers(1, timeout=2))
+    error = error_of(lambda: asyncrpc.add_workers(1, timeout=2))
     took = time.perf_counter() - started
     pid = int((DIR / "pid-worker2").read_text())
     time.sleep(0.5)
@@ -224,7 +214,7 @@ def stuck(ctx: asyncrpc.Context) -> None:
     started = time.perf_counter()
     asyncrpc.remove_workers(added[0], timeout=1)
     took = time.perf_counter() - started
-    emit("stuck", took=took, call=_error(busy.wait), after=list(asyncrpc.members()))
+    emit("stuck", took=took, call=error_of(busy.wait), after=list(asyncrpc.members()))
 
 
 def heal(ctx: asyncrpc.Context) -> None:
@@ -265,7 +255,7 @@ def traced(ctx: asyncrpc.Context) -> None:
 
 
 def edges(ctx: asyncrpc.Context) -> None:
-    tiny = _error(lambda: asyncrpc.add_workers(1, timeout=0.005))
+    tiny = error_of(lambda: asyncrpc.add_workers(1, timeout=0.005))
     after_tiny = list(asyncrpc.members())
     parent = int(os.environ["ELASTIC_PARENT"])
     for _ in range(3):  # what the first changes open (threads, spares) is not growth
@@ -281,9 +271,9 @@ def edges(ctx: asyncrpc.Context) -> None:
 
 def fixed(ctx: asyncrpc.Context) -> None:
     emit("fixed", members=list(asyncrpc.members()),
-         add=_error(lambda: asyncrpc.add_workers(1)),
-         remove=_error(lambda: asyncrpc.remove_workers("worker1")),
-         watch=_error(lambda: asyncrpc.on_members(print)))  # fmt: skip
+         add=error_of(lambda: asyncrpc.add_workers(1)),
+         remove=error_of(lambda: asyncrpc.remove_workers("worker1")),
+         watch=error_of(lambda: asyncrpc.on_members(print)))  # fmt: skip
 
 
 SCENARIOS = {

@@ -16,12 +16,13 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import time
 from typing import Any
 
 import torch.distributed.rpc as rpc
+
+from helpers import free_port
 
 RPC_TIMEOUT_S = 20.0
 
@@ -40,12 +41,6 @@ def member(name: str, rank: int, port: int, ready: Any, alive: Any) -> None:
     except EOFError:
         pass
     os._exit(0)  # no leave: the test ends here
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def main(way: str) -> None:

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import multiprocessing
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -29,6 +27,8 @@ from typing import Any
 import torch
 
 import asyncrpc
+
+from helpers import pid, start_world
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from remote_errors import HoldsALock, Rejected
@@ -79,10 +79,6 @@ def sleep_long() -> int:
 
 def lock() -> threading.Lock:
     return threading.Lock()
-
-
-def pid() -> int:
-    return os.getpid()
 
 
 def identity(x: object) -> object:
@@ -259,17 +255,6 @@ def table(rows: list[tuple[str, list[str]]]) -> int:
     return bad
 
 
-def serve(rank: int, port: int) -> None:
-    asyncrpc.init(rank=rank, world_size=3, master_port=port, rpc_timeout=TIMEOUT_S)
-    asyncrpc.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _killed_row() -> list[str]:
     # Everything that will call the killed worker is made while it lives.
     runner = asyncrpc.spawn("worker2", Runner)
@@ -335,12 +320,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    port = free_port()
-    spawner = multiprocessing.get_context("spawn")
-    helpers = [spawner.Process(target=serve, args=(r, port)) for r in (1, 2)]
-    for proc in helpers:
-        proc.start()
-    asyncrpc.init(rank=0, world_size=3, master_port=port, rpc_timeout=TIMEOUT_S)
+    _, helpers = start_world(3, rpc_timeout=TIMEOUT_S)
     try:
         mismatches = main()
     finally:

@@ -23,6 +23,8 @@ import time
 
 import asyncrpc
 
+from helpers import pid
+
 _held = threading.Event()
 _release = threading.Event()
 
@@ -32,10 +34,6 @@ def hold() -> str:
     _held.set()
     _release.wait(30)
     return "released"
-
-
-def pid() -> int:
-    return os.getpid()
 
 
 def attempt() -> int:

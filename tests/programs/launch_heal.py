@@ -27,14 +27,7 @@ import torch
 
 import asyncrpc
 
-
-class Counter:
-    def __init__(self) -> None:
-        self.total = 0
-
-    def add(self, amount: int) -> int:
-        self.total += amount
-        return self.total
+from helpers import Counter
 
 
 def die() -> None:

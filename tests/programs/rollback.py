@@ -23,6 +23,8 @@ from typing import Any
 
 from side_effects import differences, torch_state
 
+from helpers import fail
+
 STEPS = ("hooks", "agent", "threadstates", "watch", "join", "liveness", "freeze")
 
 
@@ -77,11 +79,6 @@ def start(step: str) -> None:
 
 def asyncrpc_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncrpc"))
-
-
-def fail(what: str) -> None:
-    print(f"FAILED {what}", flush=True)
-    sys.exit(1)
 
 
 def check_put_back(when: str, before: dict[str, object], env: dict[str, str]) -> None:

@@ -27,27 +27,11 @@ import torch
 import asyncrpc
 from asyncrpc._core import _runtime
 
-
-class Counter:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def add(self, k: int) -> int:
-        self.n += k
-        return self.n
+from helpers import Counter, count, fail
 
 
 async def slow() -> None:
     await torch.futures.Future()  # never completes: only a cancel ends it
-
-
-def numbers(n: int) -> Any:
-    yield from range(n)
-
-
-def fail(text: str) -> None:
-    print(f"FAILED {text}", flush=True)
-    sys.exit(1)
 
 
 def traffic() -> None:
@@ -58,7 +42,7 @@ def traffic() -> None:
     fut = asyncrpc.rpc_async("worker0", slow)
     time.sleep(0.1)
     assert asyncrpc.cancel(fut)
-    stream = asyncrpc.stream("worker0", numbers, args=(100,))
+    stream = asyncrpc.stream("worker0", count, args=(100,))
     assert next(iter(stream)) == 0  # left open: the world's end closes it
     rref = asyncrpc.remote("worker0", torch.zeros, args=((2,),))
     assert rref.to_here().shape == (2,)
