@@ -104,3 +104,33 @@ def bin_path(name: str) -> str:
     """A console script installed beside this interpreter (asyncrpc-launch, torchrun)."""
     return str(pathlib.Path(sys.executable).parent / name)
 
+
+# A feature whose tests skip where the suite runs (the two-host tests need root for their
+# network namespaces) is named at the end of the run, with the reason: `NOT RUN: ...`.
+FEATURES = {"test_launch_hosts.py": "two-host tests"}
+
+
+def not_run(skipped: list[pytest.TestReport | pytest.CollectReport]) -> list[str]:
+    """`NOT RUN: feature (file): reason (N tests)`, one line per feature and reason skipped."""
+    counts: dict[tuple[str, str], int] = {}
+    for report in skipped:
+        path = report.nodeid.split("::")[0]
+        feature = FEATURES.get(pathlib.PurePosixPath(path).name)
+        if feature is None:
+            continue
+        longrepr = report.longrepr  # (file, line, "Skipped: reason") for a skip
+        reason = longrepr[2] if isinstance(longrepr, (tuple, list)) else str(longrepr)
+        key = (f"{feature} ({path})", str(reason).removeprefix("Skipped: "))
+        counts[key] = counts.get(key, 0) + 1
+    return [
+        f"NOT RUN: {what}: {reason} ({n} test{'s' * (n != 1)})"
+        for (what, reason), n in counts.items()
+    ]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    lines = not_run(terminalreporter.stats.get("skipped", []))
+    if lines:
+        terminalreporter.write_sep("=", "features not run", yellow=True)
+    for line in lines:
+        terminalreporter.write_line(line, yellow=True, bold=True)
