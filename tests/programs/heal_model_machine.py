@@ -524,6 +524,7 @@ class BaseModel(RuleBasedStateMachine):
         time.sleep(delay)
         worker.pids[worker.attempt] = pid
         _kill(pid)
+        Shared.stats["newborns killed"] += 1
         self._killed(worker)
         worker.retried = True
 
@@ -593,20 +594,33 @@ class BaseModel(RuleBasedStateMachine):
         Shared.attempts = {name: worker.attempt for name, worker in self.workers.items()}
 
     def _check_usage(self) -> None:
-        """worker0's and the survivor's descriptors and sockets: none grows per heal."""
+        """worker0's and the survivor's descriptors and sockets: none grows per heal.
+
+        One exception, documented (docs/launching.md, "Healing in place"):
+        TensorPipe may keep an accepted connection of a replacement killed
+        during its own join in CLOSE-WAIT, one socket (and descriptor) each
+        time. Such a socket is on the worker's listening port; at most one per
+        newborn killed (`_kill_newborn`) may stay. Any other may not.
+        """
         for name in ("worker0", SURVIVOR):
             now = asyncrpc.rpc_sync(name, Shared.usage, timeout=CALL_S)
             deadline = time.monotonic() + CLOSE_WAIT_S
             # A heal closes the dead process's pipe by a probe that fails: it may
             # still be on its way as the replacement joins. None may stay for good.
-            while now["close_wait"] and time.monotonic() < deadline:
+            while _unexplained(now) and time.monotonic() < deadline:
                 time.sleep(0.05)
                 now = asyncrpc.rpc_sync(name, Shared.usage, timeout=CALL_S)
             first = Shared.baseline.setdefault(name, now)
-            assert now["close_wait"] == 0, f"{name} holds sockets in CLOSE-WAIT: {now}"
-            assert now["fds"] <= first["fds"] + FD_SLACK, f"{name}: {first} -> {now}"
+            kept = _accepted(now)
+            assert not _unexplained(now), (
+                f"{name} holds sockets in CLOSE-WAIT: {now} (accepted connections of "
+                f"newborns killed as they joined, allowed: {Shared.stats['newborns killed']})"
+            )
+            assert now["fds"] <= first["fds"] + FD_SLACK + kept, f"{name}: {first} -> {now}"
             assert now["threads"] <= first["threads"] + 2, f"{name}: {first} -> {now}"
             Shared.stats["usage checked"] += 1
+            if kept:
+                Shared.stats["accepted sockets of newborns kept (TensorPipe)"] = kept
 
     def _check_ids(self) -> None:
         files = _files()
@@ -625,6 +639,18 @@ class BaseModel(RuleBasedStateMachine):
         for worker in self.workers.values():  # each live process's own list agrees
             pid, ids = asyncrpc.rpc_sync(worker.name, Shared.ran, timeout=CALL_S)
             assert ids == files.get(pid, []), f"{worker.name} (pid {pid}): {ids} vs its file"
+
+
+def _accepted(usage: dict[str, Any]) -> int:
+    """Sockets in CLOSE-WAIT on the worker's listening port: connections it accepted."""
+    ports = [entry.split("->")[0] for entry in usage["close_wait_ports"]]
+    return sum(1 for local in ports if int(local) == usage["listens_on"])
+
+
+def _unexplained(usage: dict[str, Any]) -> int:
+    """Sockets in CLOSE-WAIT beyond one accepted connection per newborn killed as it joined."""
+    allowed = min(_accepted(usage), Shared.stats["newborns killed"])
+    return int(usage["close_wait"]) - allowed
 
 
 def check(
