@@ -16,18 +16,20 @@ import re
 import select
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 from test_exits import assert_gone, descendants, kill_tree
 from test_launch import worker_lines
 
-from asyncrpc._core import _healing
+import asyncrpc
+from asyncrpc._core import _healing, _rendezvous
 from asyncrpc._core._errors import JOIN_REFUSED_EXIT, describe_exit
 from asyncrpc._core._membership import Joining
-from asyncrpc._launch import _cli
+from asyncrpc._launch import _cli, _signals
 
-from conftest import PROGRAMS, bin_path, run_program, start_program
+from conftest import PROGRAMS, bin_path, free_port, run_program, start_program
 
 HEAL = str(PROGRAMS / "launch_heal.py")
 WORKER_RESTART = ("--restart", "worker")
@@ -100,6 +102,59 @@ def test_a_killed_worker_is_replaced_in_place_and_the_launcher_exits_0() -> None
     assert len(healed) == 1, err[-3000:]
     assert healed[0].startswith("asyncrpc: worker 'worker2' (rank 2, node "), healed
     assert healed[0].endswith("was killed by SIGKILL; replacing it in place (restart 1 of 2)")
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_launcher_ended_before_it_started_ends_too() -> None:
+    # A launcher killed while its worker still imports torch: the kernel's parent-death
+    # signal was never asked for, and the worker's parent is no longer the launcher it
+    # names. It ends as it imports asyncrpc, saying why; a process with a live launcher
+    # that is not its parent (one a worker starts) goes on.
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has now
+    code = "import time, asyncrpc; time.sleep(20); print('still here')"
+    env = {**os.environ, "ASYNCRPC_LAUNCHER_PID": str(gone.pid)}
+    start = time.monotonic()
+    orphan = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=50)  # fmt: skip
+    assert orphan.returncode == -signal.SIGTERM, (orphan.returncode, orphan.stderr[-2000:])
+    assert "launcher (pid" in orphan.stderr and "ended before it started" in orphan.stderr
+    assert time.monotonic() - start < 15 and "still here" not in orphan.stdout
+    env["ASYNCRPC_LAUNCHER_PID"] = str(os.getppid())  # alive, not its parent
+    code = "import asyncrpc; print('goes on')"
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=50)  # fmt: skip
+    assert child.returncode == 0 and "goes on" in child.stdout, child.stderr[-2000:]
+
+
+def test_a_signal_inside_a_held_section_stops_the_launcher_as_the_section_ends() -> None:
+    # A worker is started and listed inside `held`: Stopped raised between the two would
+    # leave a worker nobody stops (seen: a Ctrl-C as the launcher started its workers).
+    with _signals.stop_on_signals() as signals:
+        with pytest.raises(_signals.Stopped) as stopped:
+            with signals.held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)  # the handler runs here: held, not raised
+                listed = True
+        assert listed and stopped.value.number == signal.SIGTERM
+        signals.take(signal.SIGINT, None)  # a later one is held while the launcher stops
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_does_not_listen_is_named_within_its_bound() -> None:
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(asyncrpc.StoreTimeoutError, match=f"127.0.0.1:{port} did not answer"):
+        _rendezvous.client_store("127.0.0.1", port, 30.0, reach=1.0)
+    assert time.monotonic() - start < 5  # its own bound, not torch's (about twice 30 s)
+    # `--join` to a port where nothing runs takes a signal while it waits.
+    argv = ["--join", f"127.0.0.1:{port}", "--nproc-per-node", "1", str(PROGRAMS / "idle.py")]
+    launcher = start_program(bin_path("asyncrpc-launch"), *argv, env={})
+    time.sleep(3)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=20)
+    assert launcher.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "asyncrpc-launch: ended by SIGTERM" in err, err[-2000:]
 
 
 def test_a_start_refused_by_a_member_is_exit_77_only_for_a_replacement() -> None:

@@ -65,6 +65,18 @@ def test_a_raising_worker_fails_the_run_with_its_traceback() -> None:
     assert 'raises.py", line' in done.stderr  # the worker's own traceback
 
 
+@pytest.mark.timeout(90)
+def test_a_worker_that_exits_0_while_its_world_runs_fails_the_run_naming_it() -> None:
+    # Not a return from main: the others would wait for it in torch's graceful
+    # shutdown for good. Only a worker that returned and left the world is done.
+    start = time.monotonic()
+    done = run_program("python", str(PROGRAMS / "early_exit.py"), timeout=80)
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert time.monotonic() - start < 40
+    said = "worker 'worker1' (rank 1) exited with code 0 while its world still ran"
+    assert said in done.stderr, done.stderr[-3000:]
+
+
 def test_a_raising_worker_under_torchrun_is_named() -> None:
     done = run_program(bin_path("torchrun"), "--nproc-per-node", "3", str(PROGRAMS / "raises.py"))
     assert done.returncode != 0

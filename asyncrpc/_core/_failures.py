@@ -205,12 +205,16 @@ def _stand_ins(tb: types.TracebackType | None) -> types.TracebackType | None:
 def _stand_in(code: types.CodeType) -> types.FrameType:
     """A frame that shows as `code`'s (its name, file and line) and holds nothing.
 
-    The frame of a generator suspended at its first `yield`: no locals, no
-    calling frame (`f_back` is None), and it stays so once the generator is
-    gone (then it is closed while nothing runs it).
+    The frame of a generator suspended at a `yield`: no calling frame, and
+    no local but the generator itself. That one keeps the generator alive as
+    long as its frame is (a cycle, freed by gc): a generator freed while its
+    frame is still kept is closed by running it, and Python 3.12 then links
+    the frame to the one that happened to run at that moment (`f_back`),
+    and through it to every caller's locals.
     """
     gen = types.FunctionType(_stand_in_code(code), {})()
     next(gen)
+    gen.send(gen)  # its frame's one local: the generator
     frame: types.FrameType = gen.gi_frame
     return frame
 
@@ -226,6 +230,7 @@ def _stand_in_code(code: types.CodeType) -> types.CodeType:
 
 
 def _suspended() -> Any:
+    itself = yield  # noqa: F841  # held by the frame (see `_stand_in`)
     yield
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -48,6 +49,7 @@ __all__ = [
 HANDOFF_URL = "asyncrpc-store://"
 _LINGER_S = 30.0  # the longest a refusing host waits for its peers to read the verdict
 _SETTLE_S = 2.0  # ... and for a peer that never joins
+_REACH_S = 1.0  # one look whether a store listens: a host that drops the connect
 
 
 class Handoff:
@@ -74,8 +76,21 @@ def host_store(host: str, port: int, timeout: float) -> TCPStore:
     )
 
 
-def client_store(host: str, port: int, timeout: float) -> TCPStore:
-    """Connect to a store hosted elsewhere, retrying until `timeout`."""
+def client_store(host: str, port: int, timeout: float, reach: float | None = None) -> TCPStore:
+    """Connect to a store hosted elsewhere: waiting until it listens (`reach` s, by default
+    `timeout`), then torch's client, whose operations wait up to `timeout` s.
+
+    The wait is asyncrpc's own (`_polling`), so it ends when it says and a signal
+    reaches the program meanwhile: torch's connect retries in C++, for about twice
+    its timeout, and takes no signal until it returns.
+    """
+    reach = timeout if reach is None else reach
+    _polling.until(
+        lambda: _listens(host, port),
+        reach,
+        f"the rendezvous store at {host}:{port} did not answer within {reach:g} s; check "
+        f"MASTER_ADDR/MASTER_PORT and that rank 0 (or node 0's launcher) has started",
+    )
     try:
         return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
     except (RuntimeError, TimeoutError) as exc:
@@ -83,6 +98,15 @@ def client_store(host: str, port: int, timeout: float) -> TCPStore:
             f"could not reach the rendezvous store at {host}:{port} within {timeout:g} s "
             f"({exc}); check MASTER_ADDR/MASTER_PORT and that rank 0 has started"
         ) from exc
+
+
+def _listens(host: str, port: int) -> bool:
+    """Whether something accepts connections at host:port now."""
+    try:
+        with socket.create_connection((host, port), timeout=_REACH_S):
+            return True
+    except OSError:
+        return False
 
 
 def agree(

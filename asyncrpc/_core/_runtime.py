@@ -26,6 +26,7 @@ type) stay in their modules; docs/design.md lists them.
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any, TypeVar
 
@@ -78,10 +79,15 @@ class _Process:
     last world ended by `shutdown` (errors say so). `log_unwaited`: failures
     nobody read are logged (`_unwaited`), in every world of this process.
     `warned_unregistered`: this process has said once that it runs without a
-    registration for asyncrpc-dump (`_registry`).
+    registration for asyncrpc-dump (`_registry`). `frozen_at_import`: how
+    many objects were frozen (`gc.freeze`) when asyncrpc was imported: 0, or
+    a few hundred that Python 3.12 freezes as it starts; a world freezes the
+    heap only if no program froze it since (`_world`).
     """
 
-    __slots__ = ("lock", "log_unwaited", "runtime", "shut_down", "warned_unregistered")
+    __slots__ = (
+        "frozen_at_import", "lock", "log_unwaited", "runtime", "shut_down", "warned_unregistered",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.runtime = Runtime()
@@ -89,6 +95,7 @@ class _Process:
         self.shut_down = False
         self.log_unwaited = False
         self.warned_unregistered = False
+        self.frozen_at_import = gc.get_freeze_count()  # a count, read: nothing changes
 
 
 class _Thread(threading.local):

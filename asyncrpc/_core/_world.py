@@ -366,7 +366,9 @@ def _build(world: World, master_addr: str, watch_peers: bool, joining: Joining |
         )  # fmt: skip
         stack.callback(world.liveness.stop, left=False)
         world.liveness.start()
-    if settings.freeze_gc and gc.get_freeze_count() == 0:  # a program's own: kept
+    # A program's own freeze is kept. Python 3.12 itself starts with a few hundred
+    # objects frozen: only a count above the one at `import asyncrpc` is a program's.
+    if settings.freeze_gc and gc.get_freeze_count() <= _runtime.SLOT.frozen_at_import:
         world.changes.froze_gc = True  # first: put_back thaws it, also if freeze fails half-way
         gc.freeze()
 

@@ -9,6 +9,7 @@ runs `main` and sends its traceback back on failure::
     forkserver ── fork ──> worker(payload, spec, errors):
         die with the parent; take the caller's environment and output;
         load main ─> _world.start ─> main(ctx, *args) ─> _world.shutdown
+        ─> RETURNED ──errors pipe──> supervisor (an exit 0 without it: a death)
         on failure: traceback ──errors pipe──> supervisor; exit 1 (77: a replacement's
         join another member refused, `_core._healing.start_failed_exit`)
 """
@@ -31,9 +32,20 @@ from typing import Any
 from .._core import _healing, _world
 from . import _parent
 
-__all__ = ("KILL_AFTER_S", "caller_output", "close_outputs", "pickled_main", "spare", "worker")
+__all__ = (
+    "KILL_AFTER_S",
+    "RETURNED",
+    "caller_output",
+    "close_outputs",
+    "pickled_main",
+    "spare",
+    "worker",
+)
 
 KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL: the supervisor's stop, and a worker's own
+# Sent on the errors pipe once `main` returned and the world was left: the supervisor
+# tells a worker that ended its run from one that exited 0 while its world still ran.
+RETURNED = "asyncrpc: main returned, the world was left"
 
 
 def caller_output() -> tuple[Connection | None, ...]:
@@ -175,6 +187,7 @@ def worker(
             _world.shutdown(graceful=False)
             raise
         _world.shutdown()
+        errors.send(RETURNED)  # an exit 0 without it is a death (os._exit(0), say)
     except BaseException:
         text = traceback.format_exc()
         errors.send(text)

@@ -6,7 +6,7 @@ world's store on loopback, forks every worker through the warm interpreter
 
     LocalWorld(main, args, ...): store on 127.0.0.1:<free port>, main pickled once
       spawn(rank, attempt, joining) ── forkserver ──> _child.worker(payload, spec, errors)
-      failure(rank) <── errors pipe: its traceback, if it raised ── exit code
+      failure(rank) <── errors pipe: its traceback, if it raised (RETURNED: done) ── exit code
       stop(): SIGTERM every process started, SIGKILL 2 s later
       close(): the caller's output and the `alive` pipe (each worker ends with this process)
 
@@ -97,8 +97,10 @@ class LocalWorld:
         else:
             self.procs[rank], self.errors[rank] = proc, errors
 
-    def failure(self, rank: int) -> WorkerFailedError:
-        """How worker `rank`'s process ended: its traceback if it sent one, else its exit."""
+    def failure(self, rank: int) -> WorkerFailedError | None:
+        """How worker `rank`'s process ended: None once its `main` returned and it left the
+        world (`_child.RETURNED`, exit code 0), else the failure: its traceback if it sent
+        one, else its exit (an exit 0 without `RETURNED`, `os._exit(0)`, is one too)."""
         proc, errors = self.procs[rank], self.errors[rank]
         proc.join()
         text = ""
@@ -107,6 +109,10 @@ class LocalWorld:
                 text = str(errors.recv())
             except (EOFError, OSError):
                 text = ""
+        if text == _child.RETURNED and proc.exitcode == 0:
+            return None
+        if text == _child.RETURNED:
+            text = ""  # it left the world, then was killed: its exit says how
         return WorkerFailedError(self.names[rank], rank, proc.exitcode, text)
 
     def retire(self, rank: int) -> None:

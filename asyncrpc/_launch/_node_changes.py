@@ -42,7 +42,7 @@ from ._healer import Healer
 from ._plan import Plan
 from ._warm import Spare
 
-__all__ = ("NodeChanges",)
+__all__ = ("JOIN_S", "NodeChanges")
 
 
 class _Node(Protocol):
@@ -79,7 +79,7 @@ class _Node(Protocol):
 
 
 _KILLS_EVERY_S = 0.25  # how often a launcher looks for its removed workers' kills
-_JOIN_S = 60.0  # how long `--join` waits for node 0's answer
+JOIN_S = 60.0  # how long `--join` waits for node 0's answer
 _LEAVE_S = 60.0  # how long a preempted node's workers get to leave
 _POLL_S = 0.05
 
@@ -141,8 +141,8 @@ class NodeChanges:
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         rid = self._send(request)
-        _records.wait_keys(self.heal, [f"reply/{rid}"], _JOIN_S,
-                           f"node 0's launcher did not answer within {_JOIN_S} s")  # fmt: skip
+        _records.wait_keys(self.heal, [f"reply/{rid}"], JOIN_S,
+                           f"node 0's launcher did not answer within {JOIN_S} s")  # fmt: skip
         reply: dict[str, Any] = json.loads(self.heal.get(f"reply/{rid}").decode())
         return reply
 

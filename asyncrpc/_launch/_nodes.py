@@ -50,10 +50,10 @@ from .._core._torch import PrefixStore, Store
 from . import _parent
 from ._healer import Healer
 from ._launched import JOINING_VARIABLE, NAME_VARIABLE, RESTART_VARIABLE
-from ._node_changes import NodeChanges
+from ._node_changes import JOIN_S, NodeChanges
 from ._plan import Plan, plan
 from ._replacing import Ended, Exit, Replacer, spent
-from ._signals import Stopped, say_stopped, stop_on_signals, stop_reason
+from ._signals import Signals, Stopped, say_stopped, stop_on_signals, stop_reason
 
 __all__ = ("run",)
 
@@ -71,9 +71,9 @@ def run(args: argparse.Namespace, nproc: int) -> int:
     """Run this node's `nproc` workers, healing them in place; the launcher's exit status."""
     chosen = plan(args, nproc)
     node: Node | None = None
-    with stop_on_signals():
+    with stop_on_signals() as signals:
         try:
-            node = Node(chosen, _store(chosen))
+            node = Node(chosen, _store(chosen), signals)
             node.start_all()
             return node.watch()
         except RendezvousError as exc:
@@ -109,14 +109,19 @@ def _store(chosen: Plan) -> Store:
     timeout = 600.0
     if chosen.node == 0 and not chosen.join:
         return _rendezvous.host_store(chosen.host, chosen.port, timeout)
-    return _rendezvous.client_store(chosen.host, chosen.port, timeout)
+    # `--join`: the world runs already; its node 0 answers within JOIN_S or not at all.
+    reach = JOIN_S if chosen.join else timeout
+    return _rendezvous.client_store(chosen.host, chosen.port, timeout, reach)
 
 
 class Node:
     """One launcher's workers, and what it knows of the world through the store."""
 
-    def __init__(self, chosen: Plan, store: Store) -> None:
+    def __init__(self, chosen: Plan, store: Store, signals: Signals) -> None:
         self.plan = chosen
+        self.signals = signals
+        # Every worker process this launcher started, listed as it starts (`spawn`).
+        self.started: list[subprocess.Popen[bytes]] = []
         self.store = store
         self.port = int(getattr(store, "port", chosen.port))  # node 0, port 0: the one bound
         self.heal = _membership.heal_space(store, TAG)
@@ -170,7 +175,13 @@ class Node:
         )  # fmt: skip
         if name is not None:
             env[NAME_VARIABLE] = name
-        if name is not None and self.grow is not None:  # an added worker: the spare, if any
+        with self.signals.held():  # a signal now is raised once it is listed (`stop_workers`)
+            proc = self._popen(env, added=name is not None)
+            self.started = [p for p in self.started if p.poll() is None] + [proc]  # bounded
+        return proc
+
+    def _popen(self, env: dict[str, str], added: bool) -> subprocess.Popen[bytes]:
+        if added and self.grow is not None:  # an added worker: the spare, if any
             warm = self.grow.spare.use(env)
             self.grow.spare.start()  # the next one's
             if warm is not None:
@@ -367,9 +378,12 @@ class Node:
         return say_stopped(number)
 
     def stop_workers(self, number: int) -> None:
-        """Send `number` to the workers still running; SIGKILL those left after a grace period."""
-        extras = list(self.grow.extras.values()) if self.grow is not None else []
-        live = [proc for proc in self.procs + extras if proc.poll() is None]
+        """Send `number` to the workers still running; SIGKILL those left after a grace period.
+
+        Every process this launcher started (`started`), also one a signal
+        stopped the launcher from listing among its workers.
+        """
+        live = [proc for proc in self.started if proc.poll() is None]
         for proc in live:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(number)

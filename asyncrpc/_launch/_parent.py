@@ -16,7 +16,9 @@ ASYNCRPC_FORKSERVER_PARENT for that start only, and the forkserver imports
 this module with its preloads. A worker a launcher started: the launcher
 (`asyncrpc-launch`, or torchrun's agent with the asyncrpc rendezvous) names
 itself in ASYNCRPC_LAUNCHER_PID, and the worker imports this module with
-`import asyncrpc`, before its script runs anything else of asyncrpc's.
+`import asyncrpc`, before its script runs anything else of asyncrpc's. A
+worker whose launcher has already ended by then (killed while the worker
+imported torch) ends at once, as it would have with the launcher.
 """
 
 from __future__ import annotations
@@ -99,9 +101,35 @@ def _die_with_forkserver() -> None:
     die_with_parent(os.getppid())
 
 
+def _launcher_gone() -> bool:
+    """A launcher's worker whose launcher ended before it imported asyncrpc (orphaned).
+
+    The worker's parent is then no longer the launcher it names; a process
+    the worker starts has the worker as its parent, and the launcher alive.
+    """
+    named = os.environ.get(LAUNCHER_VARIABLE, "")
+    if not named.isdigit() or int(named) == os.getppid():
+        return False
+    try:
+        os.kill(int(named), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's: not ours to judge
+        return False
+    return False
+
+
 if os.environ.get(PARENT_VARIABLE) == str(os.getppid()):  # this is that forkserver
     os.environ.pop(PARENT_VARIABLE)
     die_with_parent(os.getppid())
     os.register_at_fork(after_in_child=_die_with_forkserver)
 elif launched_by() is not None:  # a launcher's worker (not a process that worker starts)
     die_with_parent(os.getppid())
+elif _launcher_gone():  # it ended as this worker started (killed, or stopped by a signal)
+    print(
+        f"asyncrpc: this worker's launcher (pid {os.environ[LAUNCHER_VARIABLE]}) ended "
+        f"before it started; it ends too",
+        file=sys.stderr,
+        flush=True,
+    )
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -277,8 +277,8 @@ def _supervise(world: LocalWorld, grace: float) -> WorkerFailedError | None:
         for sentinel in [s for s, rank in running.items() if rank in ended]:
             del running[sentinel]
         for rank in sorted(ended, key=lambda r: _local.signal_first(world.procs[r])):
-            failure = world.failure(rank)
-            if failure.exitcode != 0:
+            failure = world.failure(rank)  # None: main returned, and it left the world
+            if failure is not None:
                 failures.append(failure)
         if failures and deadline is None:
             deadline = time.monotonic() + grace
