@@ -54,6 +54,7 @@ def ran(tag: str) -> int:
 
 
 def sleep_then_count(tag: str, seconds: float) -> int:
+    count(f"{tag}/started")
     time.sleep(seconds)
     return count(tag)
 
@@ -145,7 +146,8 @@ def test_a_sync_function_that_never_polls_runs_on_and_its_value_is_dropped(
     world: asyncrpc.Context,
 ) -> None:
     fut = asyncrpc.rpc_async("worker1", sleep_then_count, args=("runs-on", 0.5))
-    time.sleep(0.1)
+    # Running, not queued (a cancel stops a queued call before it starts).
+    assert until(lambda: asyncrpc.rpc_sync("worker1", ran, args=("runs-on/started",)) == 1)
     assert fut.cancel() is True
     with pytest.raises(asyncrpc.CancelledError):
         fut.wait()  # at once, not after the function returns

@@ -29,7 +29,7 @@ from asyncrpc._core._errors import JOIN_REFUSED_EXIT, describe_exit
 from asyncrpc._core._membership import Joining
 from asyncrpc._launch import _cli, _signals
 
-from conftest import PROGRAMS, bin_path, free_port, run_program, start_program
+from conftest import PROGRAMS, bin_path, free_port, run_program, start_program, until
 
 HEAL = str(PROGRAMS / "launch_heal.py")
 WORKER_RESTART = ("--restart", "worker")
@@ -150,11 +150,22 @@ def test_a_store_that_does_not_listen_is_named_within_its_bound() -> None:
     # `--join` to a port where nothing runs takes a signal while it waits.
     argv = ["--join", f"127.0.0.1:{port}", "--nproc-per-node", "1", str(PROGRAMS / "idle.py")]
     launcher = start_program(bin_path("asyncrpc-launch"), *argv, env={})
-    time.sleep(3)
+    assert until(lambda: _catches(launcher.pid, signal.SIGTERM), seconds=60)  # started
+    time.sleep(0.5)  # waiting for the store now
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=20)
     assert launcher.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "asyncrpc-launch: ended by SIGTERM" in err, err[-2000:]
+
+
+def _catches(pid: int, number: int) -> bool:
+    """Whether process `pid` has a handler for signal `number` now (/proc's SigCgt)."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt"))
+    return bool(int(caught, 16) & (1 << (number - 1)))
 
 
 def test_a_start_refused_by_a_member_is_exit_77_only_for_a_replacement() -> None:

@@ -178,8 +178,8 @@ class HealingWorld:
     def _ended(self, rank: int, failing: bool) -> WorkerFailedError | None:
         """Worker `rank`'s process ended: None, or the failure it is (`failing`: the world's)."""
         failure = self.world.failure(rank)
-        if failure is None:  # main returned and it left the world: the world ended
-            return None
+        if failure is None:  # main returned and it left: the world ends, or it was removed
+            failure = WorkerFailedError(self.healer.names[rank], rank, 0)  # for its words
         if failing:  # the world fails already: no change of members, no heal
             done = failure.exitcode == 0 and self.healer.ending()
             return None if done else failure
