@@ -115,6 +115,33 @@ def test_held_errors_release_their_frames_locals() -> None:
     assert isinstance(raised, ValueError) and raised.__traceback__ is not None
 
 
+def test_a_kept_failure_never_links_to_the_frame_that_runs_when_gc_does() -> None:
+    # Python 3.12 links a kept frame whose generator is closed by running it to the
+    # frame running at that moment (gc's, at any allocation): that frame's locals,
+    # a Batch's reply callback's say, would then live as long as the failure.
+    def fails() -> None:
+        raise ValueError("held")
+
+    failures = []
+    for _ in range(20):
+        try:
+            fails()
+        except ValueError as exc:
+            failures.append(_failures.hold(exc))
+
+    def runs_while_gc_frees(holder: Big) -> None:
+        gc.collect()
+
+    big = Big()
+    alive = weakref.ref(big)
+    runs_while_gc_frees(big)
+    del big
+    gc.collect()
+    assert alive() is None  # no kept frame links to `runs_while_gc_frees`
+    tracebacks = [failure.error.__traceback__ for failure in failures]
+    assert all(tb is not None and tb.tb_frame.f_back is None for tb in tracebacks)
+
+
 def test_a_future_failed_with_a_failure_leaks_nothing() -> None:
     # torch's own set_exception keeps the raised object: each read would add the
     # reader's frame, which holds the Future (a cycle gc cannot see).

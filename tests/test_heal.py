@@ -249,21 +249,37 @@ def _read_until(parent: subprocess.Popen[str], check: str) -> tuple[list[Any], s
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_parent_while_workers_are_replaced_leaves_no_process(sig: int) -> None:
-    with tempfile.TemporaryDirectory() as shared:
+    with tempfile.TemporaryDirectory() as shared, tempfile.TemporaryFile("w+") as err:
         env = {**os.environ, "HEAL_DIR": shared}
         parent = subprocess.Popen(
             [sys.executable, HEAL, "churn", "1000", "1000"], cwd=ROOT, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            stdout=subprocess.PIPE, stderr=err, text=True,
         )  # fmt: skip
         try:
             _, tree = _read_until(parent, "churn")
             tree |= _read_until(parent, "churn")[1]  # a second heal
             os.kill(parent.pid, sig)
-            parent.wait(30)
+            _ends_or_says_where(parent, err, 30)
             assert_gone(tree, within=8)
         finally:
             kill_tree(parent.pid)
     assert parent.returncode != 0
+
+
+def _ends_or_says_where(parent: subprocess.Popen[str], err: Any, within: float) -> None:
+    """Wait for `parent` to end; else fail with its stderr and every stack of its tree."""
+    try:
+        parent.wait(within)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in {parent.pid} | descendants(parent.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)  # each process of the program prints its stacks
+    time.sleep(2)
+    err.seek(0)
+    raise AssertionError(f"the program did not end {within} s after the signal:\n"
+                         f"{err.read()[-20000:]}")  # fmt: skip
 
 
 def test_restart_world_restarts_everything_and_has_no_on_replaced() -> None:

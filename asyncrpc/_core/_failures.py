@@ -205,23 +205,22 @@ def _stand_ins(tb: types.TracebackType | None) -> types.TracebackType | None:
 def _stand_in(code: types.CodeType) -> types.FrameType:
     """A frame that shows as `code`'s (its name, file and line) and holds nothing.
 
-    The frame of a generator suspended at a `yield`: no calling frame, and
-    no local but the generator itself. That one keeps the generator alive as
-    long as its frame is (a cycle, freed by gc): a generator freed while its
-    frame is still kept is closed by running it, and Python 3.12 then links
-    the frame to the one that happened to run at that moment (`f_back`),
-    and through it to every caller's locals.
+    The frame of a generator never started: no calling frame and no local.
+    Freeing such a generator never runs it, so its frame stays unlinked. A
+    generator that was started is closed by running it when it is freed (at
+    once, or by gc at any moment), and Python 3.12 then links its kept frame
+    to the one running at that moment (`f_back`), and through it to every
+    caller's locals: a Batch's reply callback's, holding the very Futures
+    the failure is kept in (test_leaks, under 3.12).
     """
     gen = types.FunctionType(_stand_in_code(code), {})()
-    next(gen)
-    gen.send(gen)  # its frame's one local: the generator
     frame: types.FrameType = gen.gi_frame
     return frame
 
 
 @functools.lru_cache(maxsize=4096)
 def _stand_in_code(code: types.CodeType) -> types.CodeType:
-    return _suspended.__code__.replace(
+    return _unstarted.__code__.replace(
         co_name=code.co_name,
         co_qualname=code.co_qualname,
         co_filename=code.co_filename,
@@ -229,9 +228,8 @@ def _stand_in_code(code: types.CodeType) -> types.CodeType:
     )
 
 
-def _suspended() -> Any:
-    itself = yield  # noqa: F841  # held by the frame (see `_stand_in`)
-    yield
+def _unstarted() -> Any:
+    yield  # never reached: a stand-in's generator is never started
 
 
 def _fresh(error: BaseException) -> BaseException:
