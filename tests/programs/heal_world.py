@@ -510,6 +510,9 @@ def main(ctx: asyncrpc.Context, scenario: str, *args: int) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C as in a terminal's foreground, also when the tests run in the background
+    # (a shell starts background jobs with SIGINT ignored, and that is inherited).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     scenario = sys.argv[1]
     numbers = tuple(int(arg) for arg in sys.argv[2:])
     if scenario == "world":
