@@ -381,6 +381,7 @@ def test_the_commands_work_in_every_kind_of_world(how: str, tmp_path: pathlib.Pa
     assert [w["name"] for w in workers] == ["worker0", "worker1"]
     crunch = workers[1]["threads"][0]
     assert crunch["call"] == "crunch()" and any("in crunch" in f for f in crunch["stack"])
+    assert top.returncode == 0, top.stderr
     assert next(w["in_flight"] for w in json.loads(top.stdout)["workers"]) >= 1
 
 
