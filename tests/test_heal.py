@@ -222,11 +222,13 @@ def test_kills_in_a_row_leak_nothing_and_max_restarts_ends_the_world() -> None:
         assert after["fds"] <= before["fds"] + 8, (name, before, after)
 
 
-def _read_until(parent: subprocess.Popen[str], check: str) -> tuple[list[Any], set[int]]:
+def _read_until(
+    parent: subprocess.Popen[str], check: str, err: Any = None
+) -> tuple[list[Any], set[int]]:
     """The program's records up to the first `check`; its process tree then.
 
     Bounded: a program that stops printing fails the test within 60 s with the
-    stacks of every process of its tree (they dump them on SIGUSR1) and its stderr.
+    stacks of every process of its tree and its stderr (`_where`).
     """
     assert parent.stdout is not None
     fd, pending, records = parent.stdout.fileno(), b"", []
@@ -238,13 +240,23 @@ def _read_until(parent: subprocess.Popen[str], check: str) -> tuple[list[Any], s
         records += [json.loads(line) for line in lines if line.startswith(b"{")]
         if any(r["check"] == check for r in records):
             return records, descendants(parent.pid)
+    raise AssertionError(f"no {check!r} within 60 s: {records}\n{_where(parent, err)}")
+
+
+def _where(parent: subprocess.Popen[str], err: Any = None) -> str:
+    """The stacks of every process of `parent`'s tree (each prints them on SIGUSR1), in
+    its stderr: read from `err`, the file it writes to, or else from its pipe once the
+    tree is killed."""
     for pid in {parent.pid} | descendants(parent.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGUSR1)
     time.sleep(2)
+    if err is not None:
+        err.seek(0)
+        return str(err.read())[-20000:]
     kill_tree(parent.pid)
     _, stderr = parent.communicate(timeout=30)
-    raise AssertionError(f"no {check!r} within 60 s: {records}\n{stderr[-20000:]}")
+    return stderr[-20000:]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -256,8 +268,8 @@ def test_a_signal_to_the_parent_while_workers_are_replaced_leaves_no_process(sig
             stdout=subprocess.PIPE, stderr=err, text=True,
         )  # fmt: skip
         try:
-            _, tree = _read_until(parent, "churn")
-            tree |= _read_until(parent, "churn")[1]  # a second heal
+            _, tree = _read_until(parent, "churn", err)
+            tree |= _read_until(parent, "churn", err)[1]  # a second heal
             os.kill(parent.pid, sig)
             _ends_or_says_where(parent, err, 30)
             assert_gone(tree, within=8)
@@ -270,16 +282,11 @@ def _ends_or_says_where(parent: subprocess.Popen[str], err: Any, within: float) 
     """Wait for `parent` to end; else fail with its stderr and every stack of its tree."""
     try:
         parent.wait(within)
-        return
     except subprocess.TimeoutExpired:
-        pass
-    for pid in {parent.pid} | descendants(parent.pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR1)  # each process of the program prints its stacks
-    time.sleep(2)
-    err.seek(0)
-    raise AssertionError(f"the program did not end {within} s after the signal:\n"
-                         f"{err.read()[-20000:]}")  # fmt: skip
+        where = _where(parent, err)
+        raise AssertionError(
+            f"the program did not end {within} s after the signal:\n{where}"
+        ) from None
 
 
 def test_restart_world_restarts_everything_and_has_no_on_replaced() -> None:

@@ -39,6 +39,8 @@ import torch
 
 import asyncrpc
 
+from helpers import ctrl_c_as_in_a_terminal
+
 DIR = pathlib.Path(os.environ.get("HEAL_DIR", "."))
 BOUND_S = 30.0  # no wait of this program is longer: a hang fails the test, named
 STATE: dict[str, Any] = {}  # a worker's Python state
@@ -510,9 +512,7 @@ def main(ctx: asyncrpc.Context, scenario: str, *args: int) -> None:
 
 
 if __name__ == "__main__":
-    # Ctrl-C as in a terminal's foreground, also when the tests run in the background
-    # (a shell starts background jobs with SIGINT ignored, and that is inherited).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctrl_c_as_in_a_terminal()  # the SIGINT test's signal stands for a user's Ctrl-C
     scenario = sys.argv[1]
     numbers = tuple(int(arg) for arg in sys.argv[2:])
     if scenario == "world":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable, Iterator
@@ -24,7 +25,10 @@ from typing import TYPE_CHECKING, NoReturn
 if TYPE_CHECKING:
     import asyncrpc
 
-__all__ = ("Counter", "count", "error_of", "fail", "free_port", "pid", "serve", "start_world")
+__all__ = (
+    "Counter", "count", "ctrl_c_as_in_a_terminal", "error_of", "fail", "free_port", "pid",
+    "serve", "start_world",
+)  # fmt: skip
 
 
 def free_port() -> int:
@@ -32,6 +36,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def ctrl_c_as_in_a_terminal() -> None:
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt here, as in a terminal's foreground, also
+    when the tests run in the background: a shell without job control starts its
+    background jobs with SIGINT ignored, every process under them inherits that, and
+    Python then installs no handler of its own."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pid() -> int:

@@ -15,6 +15,8 @@ import time
 
 import asyncrpc
 
+from helpers import ctrl_c_as_in_a_terminal
+
 
 def main(ctx: asyncrpc.Context, hold_gil: bool) -> None:
     # One write per line: the workers share the parent's output.
@@ -26,8 +28,6 @@ def main(ctx: asyncrpc.Context, hold_gil: bool) -> None:
 
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1)  # the test asks for the stacks of a parent stuck
-    # Ctrl-C as in a terminal's foreground, also when the tests run in the background
-    # (a shell starts background jobs with SIGINT ignored, and that is inherited).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctrl_c_as_in_a_terminal()  # the test's SIGINT stands for a user's Ctrl-C
     print(f"PARENT {os.getpid()}", flush=True)
     asyncrpc.run(main, world_size=3, args=("--hold-gil" in sys.argv,))
