@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -26,6 +28,7 @@ import asyncrpc
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "programs"))
 from helpers import free_port as free_port
 from helpers import start_world
+from processes import kill_tree, stacks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROGRAMS = pathlib.Path(__file__).resolve().parent / "programs"
@@ -81,11 +84,32 @@ def run_program(
     env: dict[str, str] | None = None,
     cwd: pathlib.Path = ROOT,
 ) -> subprocess.CompletedProcess[str]:
-    """Run a command (from the repository root by default) with this interpreter's environment."""
+    """Run a command (from the repository root by default) with this interpreter's environment.
+
+    One that has not ended within `timeout` s fails the test with what every process
+    of its tree was doing then (`processes.stacks`) and the end of its output.
+    """
     command = [sys.executable, *argv[1:]] if argv[0] == "python" else list(argv)
-    return subprocess.run(
-        command, cwd=cwd, env=_program_env(env), capture_output=True, text=True, timeout=timeout
-    )
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        # Files, not pipes: a tree that does not end is asked for its stacks, and what it
+        # printed before is kept (a pipe's reader would wait for the last writer).
+        child = subprocess.Popen(
+            command, cwd=cwd, env=_program_env(env), stdout=out, stderr=err, text=True
+        )
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            where = stacks(child, err)
+            kill_tree(child.pid)
+            child.wait()
+            out.seek(0)
+            raise AssertionError(
+                f"{shlex.join(command)} did not end within {timeout} s; it printed\n"
+                f"{out.read()[-4000:]}\nand its tree was doing this:\n{where}"
+            ) from None
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, code, out.read(), err.read())
 
 
 def start_program(*argv: str, env: dict[str, str]) -> subprocess.Popen[str]:

@@ -8,7 +8,6 @@ within a few seconds.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -20,53 +19,9 @@ import time
 import pytest
 
 from conftest import PROGRAMS, ROOT
+from processes import assert_gone, descendants, kill_tree
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
-
-
-def _parents() -> dict[int, int]:
-    """pid -> parent pid of every live (not zombie) process."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":  # a zombie has ended; only its reaping is left
-            found[int(entry)] = int(fields[1])
-    return found
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid`."""
-    parents, found, frontier = _parents(), set(), {pid}
-    while frontier:
-        children = {p for p, parent in parents.items() if parent in frontier}
-        frontier = children - found
-        found |= children
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    return pids & set(_parents())
-
-
-def assert_gone(tree: set[int], within: float) -> None:
-    """Every process of `tree` ends within `within` seconds."""
-    deadline = time.monotonic() + within
-    while alive(tree) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(tree), {p: open(f"/proc/{p}/cmdline").read()[:80] for p in alive(tree)}
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and every process below it (a test's clean-up)."""
-    for each in [pid, *descendants(pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(each, signal.SIGKILL)
 
 
 _TGKILL = {"x86_64": 234, "aarch64": 131}  # the syscall's number, by machine
@@ -171,3 +126,23 @@ def test_an_init_worlds_shutdown_with_a_dead_peer_raises_within_its_bound() -> N
     took = float(out.split(" after ")[1].split()[0])
     assert took < 3.0 + 5.0, out  # heartbeat_timeout (3 s) and the time to notice
     assert "stopped beating" in out, out
+
+
+def test_a_program_that_does_not_end_fails_its_test_with_what_its_tree_was_doing() -> None:
+    from conftest import run_program
+
+    stuck = (
+        "import faulthandler, signal, subprocess, sys, time\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('below me:', child.pid, flush=True)\n"
+        "def waits_forever(): time.sleep(60)\n"
+        "waits_forever()\n"
+    )
+    with pytest.raises(AssertionError) as failed:
+        run_program("python", "-c", stuck, timeout=3)
+    said = str(failed.value)
+    assert "did not end within 3 s" in said and "\nbelow me: " in said, said
+    assert "in waits_forever" in said, said  # the stack it was in, not only its output
+    child = int(said.split("\nbelow me: ")[1].split()[0])
+    assert_gone({child}, within=5)  # the whole tree was ended, not the parent only

@@ -7,7 +7,6 @@ JSON lines that these tests read.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
@@ -20,11 +19,11 @@ import time
 from typing import Any
 
 import pytest
-from test_exits import assert_gone, descendants, kill_tree
 
 import asyncrpc
 
 from conftest import PROGRAMS, ROOT, run_program, start_program
+from processes import assert_gone, descendants, kill_tree, stacks
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
 
@@ -228,7 +227,7 @@ def _read_until(
     """The program's records up to the first `check`; its process tree then.
 
     Bounded: a program that stops printing fails the test within 60 s with the
-    stacks of every process of its tree and its stderr (`_where`).
+    stacks of every process of its tree and its stderr (`processes.stacks`).
     """
     assert parent.stdout is not None
     fd, pending, records = parent.stdout.fileno(), b"", []
@@ -240,23 +239,7 @@ def _read_until(
         records += [json.loads(line) for line in lines if line.startswith(b"{")]
         if any(r["check"] == check for r in records):
             return records, descendants(parent.pid)
-    raise AssertionError(f"no {check!r} within 60 s: {records}\n{_where(parent, err)}")
-
-
-def _where(parent: subprocess.Popen[str], err: Any = None) -> str:
-    """The stacks of every process of `parent`'s tree (each prints them on SIGUSR1), in
-    its stderr: read from `err`, the file it writes to, or else from its pipe once the
-    tree is killed."""
-    for pid in {parent.pid} | descendants(parent.pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR1)
-    time.sleep(2)
-    if err is not None:
-        err.seek(0)
-        return str(err.read())[-20000:]
-    kill_tree(parent.pid)
-    _, stderr = parent.communicate(timeout=30)
-    return stderr[-20000:]
+    raise AssertionError(f"no {check!r} within 60 s: {records}\n{stacks(parent, err)}")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -283,7 +266,7 @@ def _ends_or_says_where(parent: subprocess.Popen[str], err: Any, within: float) 
     try:
         parent.wait(within)
     except subprocess.TimeoutExpired:
-        where = _where(parent, err)
+        where = stacks(parent, err)
         raise AssertionError(
             f"the program did not end {within} s after the signal:\n{where}"
         ) from None

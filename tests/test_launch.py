@@ -11,11 +11,11 @@ import time
 from typing import Any
 
 import pytest
-from test_exits import assert_gone, descendants, kill_tree
 
 from asyncrpc._launch import _cli as _launch
 
 from conftest import PROGRAMS, ROOT, bin_path, run_program, start_program
+from processes import assert_gone, descendants, kill_tree
 
 
 def test_single_node_uses_a_loopback_store_on_a_free_port() -> None:

@@ -20,7 +20,6 @@ import sys
 import time
 
 import pytest
-from test_exits import assert_gone, descendants, kill_tree
 from test_launch import worker_lines
 
 import asyncrpc
@@ -30,6 +29,7 @@ from asyncrpc._core._membership import Joining
 from asyncrpc._launch import _cli, _signals
 
 from conftest import PROGRAMS, bin_path, free_port, run_program, start_program, until
+from processes import assert_gone, descendants, kill_tree
 
 HEAL = str(PROGRAMS / "launch_heal.py")
 WORKER_RESTART = ("--restart", "worker")

@@ -23,6 +23,7 @@ Workers obey files in ELASTIC_DIR: `die-<name>` (exit 5 as it starts),
 
 from __future__ import annotations
 
+import collections
 import json
 import multiprocessing
 import os
@@ -105,19 +106,29 @@ def stubborn() -> None:
     asyncrpc.remove_workers(asyncrpc.current_context().name)
 
 
-def descriptors(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def descriptors(pid: int) -> collections.Counter[str]:
+    """What `pid` holds open, by kind (pipe, socket, anon_inode:..., or the path)."""
+    held: collections.Counter[str] = collections.Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            held[os.readlink(f"/proc/{pid}/fd/{fd}").split(":[")[0]] += 1
+        except OSError:
+            continue  # closed while read
+    return held
 
 
-def settled_descriptors(pid: int, seconds: float = 2.0) -> int:
-    """The fewest descriptors `pid` holds over `seconds`: the last removed worker's pipe
-    may still be open as it exits, and a loaded machine reads it; a leak stays."""
+def settled_descriptors(pid: int, quiet: float = 2.0, most: float = 10.0) -> dict[str, int]:
+    """What `pid` holds once its count stopped falling for `quiet` s: a removed worker's
+    pipes and store socket close only as it exits, seconds late on a loaded machine;
+    a leak stays."""
     fewest = descriptors(pid)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    calm_since = started = time.monotonic()
+    while time.monotonic() - calm_since < quiet and time.monotonic() - started < most:
         time.sleep(0.1)
-        fewest = min(fewest, descriptors(pid))
-    return fewest
+        now = descriptors(pid)
+        if sum(now.values()) < sum(fewest.values()):
+            fewest, calm_since = now, time.monotonic()
+    return dict(fewest)
 
 
 def remove_self() -> None:
@@ -263,10 +274,19 @@ def edges(ctx: asyncrpc.Context) -> None:
     before = settled_descriptors(parent)
     for _ in range(12):
         asyncrpc.remove_workers(*asyncrpc.add_workers(1))
-    grown = settled_descriptors(parent) - before
+    after = settled_descriptors(parent)
+    grown = sum(after.values()) - sum(before.values())
+    kinds = {k: after.get(k, 0) - before.get(k, 0) for k in {*after, *before}}
     ignoring = asyncrpc.add_workers(1, role="stubborn")[0]
     asyncrpc.rpc_sync(ignoring, stubborn)  # removed; its main never returns
-    emit("edges", tiny=tiny, after_tiny=after_tiny, grown=grown, members=list(asyncrpc.members()))
+    emit(
+        "edges",
+        tiny=tiny,
+        after_tiny=after_tiny,
+        grown=grown,
+        grown_by_kind={k: n for k, n in kinds.items() if n},
+        members=list(asyncrpc.members()),
+    )
 
 
 def fixed(ctx: asyncrpc.Context) -> None:

@@ -1,0 +1,82 @@
+"""The process trees the tests start: who is below whom, that a tree ended, its stacks.
+
+Read from /proc, so a test sees what the kernel sees: a zombie has ended, and
+a process a test lost track of is still found below its parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from typing import IO, Any
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live (not zombie) process."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":  # a zombie has ended; only its reaping is left
+            found[int(entry)] = int(fields[1])
+    return found
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`."""
+    parents, found, frontier = _parents(), set(), {pid}
+    while frontier:
+        children = {p for p, parent in parents.items() if parent in frontier}
+        frontier = children - found
+        found |= children
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    return pids & set(_parents())
+
+
+def assert_gone(tree: set[int], within: float) -> None:
+    """Every process of `tree` ends within `within` seconds."""
+    deadline = time.monotonic() + within
+    while alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(tree), {p: open(f"/proc/{p}/cmdline").read()[:80] for p in alive(tree)}
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (a test's clean-up)."""
+    for each in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
+
+
+def stacks(parent: subprocess.Popen[Any], err: IO[str] | None = None) -> str:
+    """What every process of `parent`'s tree is doing: SIGUSR1 to each (the programs
+    print every thread's stack on it; one that does not, ends), then `parent`'s stderr,
+    read from `err`, the file it writes to, or else from its pipe once the tree is
+    killed. For a test whose program did not end when it should have."""
+    for pid in {parent.pid} | descendants(parent.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(2)
+    if err is not None:
+        err.seek(0)
+        return _quiet(err.read())
+    kill_tree(parent.pid)
+    _, stderr = parent.communicate(timeout=30)
+    return _quiet(stderr if isinstance(stderr, str) else stderr.decode(errors="replace"))
+
+
+def _quiet(stderr: str, keep: int = 20000) -> str:
+    """The end of `stderr` without TensorPipe's lines about peers that went away."""
+    lines = [line for line in stderr.splitlines() if "tensorpipe" not in line]
+    return "\n".join(lines)[-keep:]
