@@ -46,18 +46,23 @@ def test_a_learner_survives_its_actors_killed_100_times() -> None:
                          timeout=460)  # fmt: skip
     assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
     load = _summary(result.stdout)
-    _every_kill_was_healed_and_every_survivor_kept_its_first_process(load)
+    _every_kill_was_healed_and_every_survivor_kept_its_first_process(load, result.stderr)
     _every_failure_the_deaths_caused_is_named(load)
     _calls_between_survivors_all_arrive(load)
     _descriptors_sockets_and_threads_stay_flat(load)
     _memory_settles(load)
 
 
-def _every_kill_was_healed_and_every_survivor_kept_its_first_process(load: dict[str, Any]) -> None:
-    # The program stops at the first round a survivor was replaced in: `replaced` names it.
+def _every_kill_was_healed_and_every_survivor_kept_its_first_process(
+    load: dict[str, Any], stderr: str
+) -> None:
+    # The program stops at the first round a survivor was replaced in: `replaced` names it,
+    # and the supervisor's lines say how it ended (an exit code, a signal).
+    said = [line for line in stderr.splitlines() if line.startswith("asyncrpc:")]
     assert load["kills"] == KILLS and len(load["rounds"]) == KILLS, (
         load["replaced"],
         load["rounds"][-1:],
+        [line for line in said if "worker1" in line or "worker2" in line][-10:] or said[-10:],
     )
     assert load["replaced"] == ["worker3", "worker4"]  # the victims only
     for name, first in load["first"].items():

@@ -363,7 +363,8 @@ def referee(ctx: asyncrpc.Context, kills: int, seed: int) -> None:
             rounds.append({name: asyncrpc.rpc_sync(name, usage, timeout=CALL_S)
                            for name in SURVIVORS})  # fmt: skip
             brief = {n: (r["fds"], r["sockets"], r["threads"]) for n, r in rounds[-1].items()}
-            print(f"heal load round {k}: {brief}", flush=True)
+            print(f"heal load round {k}: healed in {heal_s[-1]:.2f} s at "
+                  f"{time.monotonic() - started:.1f} s; {brief}", flush=True)  # fmt: skip
         except asyncrpc.WorkerUnreachableError as exc:  # a survivor died: the end of it
             rounds.append({"error": str(exc)[:300]})
         if any(e.name in SURVIVORS for e in events) or "error" in rounds[-1]:
