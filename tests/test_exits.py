@@ -14,12 +14,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
 from conftest import PROGRAMS, ROOT
-from processes import assert_gone, descendants, kill_tree
+from processes import assert_gone, descendants, kill_tree, stacks
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
 
@@ -88,10 +87,8 @@ def test_the_parent_of_a_world_ending_by_any_signal_leaves_no_process(
         try:
             parent.wait(30)
         except subprocess.TimeoutExpired:
-            os.kill(parent.pid, signal.SIGUSR1)  # its threads' stacks, to its stderr
-            time.sleep(1)
-            errors.seek(0)
-            raise AssertionError(f"the parent did not end: {errors.read()[-6000:]}") from None
+            where = stacks(parent, errors)
+            raise AssertionError(f"the parent did not end:\n{where}") from None
         assert_gone(tree, within=8)
     finally:
         kill_tree(parent.pid)
