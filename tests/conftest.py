@@ -87,7 +87,8 @@ def run_program(
     """Run a command (from the repository root by default) with this interpreter's environment.
 
     One that has not ended within `timeout` s fails the test with what every process
-    of its tree was doing then (`processes.stacks`) and the end of its output.
+    of its tree was doing then (`processes.stacks`) and the end of its output. It
+    returns when the program itself ends: what its descendants print later is not read.
     """
     command = [sys.executable, *argv[1:]] if argv[0] == "python" else list(argv)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -99,14 +100,17 @@ def run_program(
         try:
             code = child.wait(timeout)
         except subprocess.TimeoutExpired:
-            where = stacks(child, err)
-            kill_tree(child.pid)
+            where = stacks(child, err)  # and the tree is ended
             child.wait()
             out.seek(0)
             raise AssertionError(
                 f"{shlex.join(command)} did not end within {timeout} s; it printed\n"
                 f"{out.read()[-4000:]}\nand its tree was doing this:\n{where}"
             ) from None
+        except BaseException:  # the test's own timeout, Ctrl-C: no process is left behind
+            kill_tree(child.pid)
+            child.wait()
+            raise
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(command, code, out.read(), err.read())

@@ -60,20 +60,26 @@ def kill_tree(pid: int) -> None:
 
 
 def stacks(parent: subprocess.Popen[Any], err: IO[str] | None = None) -> str:
-    """What every process of `parent`'s tree is doing: SIGUSR1 to each (the programs
-    print every thread's stack on it; one that does not, ends), then `parent`'s stderr,
-    read from `err`, the file it writes to, or else from its pipe once the tree is
-    killed. For a test whose program did not end when it should have."""
-    for pid in {parent.pid} | descendants(parent.pid):
+    """What every process of `parent`'s tree was doing, then the tree ended: SIGUSR1 to
+    each (the programs print every thread's stack on it; one that does not, ends),
+    `parent`'s stderr read from `err`, the file it writes to, or else from its pipe, and
+    SIGKILL to every process of the tree as it was before the signal (a parent that
+    the signal ended leaves its children to init, out of reach of `kill_tree`).
+    For a test whose program did not end when it should have."""
+    tree = {parent.pid} | descendants(parent.pid)
+    for pid in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGUSR1)
     time.sleep(2)
     if err is not None:
         err.seek(0)
-        return _quiet(err.read())
-    kill_tree(parent.pid)
-    _, stderr = parent.communicate(timeout=30)
-    return _quiet(stderr if isinstance(stderr, str) else stderr.decode(errors="replace"))
+        said = err.read()
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if err is None:
+        _, said = parent.communicate(timeout=30)
+    return _quiet(said if isinstance(said, str) else said.decode(errors="replace"))
 
 
 def _quiet(stderr: str, keep: int = 20000) -> str:

@@ -216,6 +216,7 @@ def test_the_launcher_refuses_devices_it_cannot_have_in_one_line() -> None:
     assert "leave --devices out to run on CPU" in done.stderr
 
 
+@pytest.mark.timeout(200)  # past run_program's own: a stuck run shows its stacks
 def test_the_gpu_learner_example_runs_here_and_says_where_its_learner_is() -> None:
     done = run_program("python", "examples/gpu_learner.py", "--rounds", "20", timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -171,6 +171,7 @@ def test_a_failing_member_reaches_the_caller(world: asyncrpc.Context) -> None:
 
 
 @pytest.mark.subprocess
+@pytest.mark.timeout(150)  # past run_program's own: a stuck run shows its stacks
 def test_bilstm_example_runs_its_four_steps_and_each_equals_serial() -> None:
     result = run_program("python", str(ROOT / "examples" / "bilstm_ensemble.py"), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -350,6 +350,7 @@ def test_torch_futures_work_under_asyncio(world: asyncrpc.Context) -> None:
 
 
 @pytest.mark.subprocess
+@pytest.mark.timeout(150)  # past run_program's own: a stuck run shows its stacks
 def test_1000_nested_calls_on_4_callee_threads() -> None:
     result = run_program("python", str(PROGRAMS / "nested_capacity.py"), "1000", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -252,6 +252,7 @@ def test_render_rejects_what_is_not_a_trace(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.subprocess
+@pytest.mark.timeout(150)  # past run_program's own: a stuck run shows its stacks
 def test_the_traced_ensemble_example_writes_the_trace_and_the_picture(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -270,6 +271,7 @@ def test_the_traced_ensemble_example_writes_the_trace_and_the_picture(
 
 
 @pytest.mark.subprocess
+@pytest.mark.timeout(150)  # past run_program's own: a stuck run shows its stacks
 def test_the_trace_overhead_benchmark_runs_at_a_small_size() -> None:
     script = str(ROOT / "benchmarks" / "trace_overhead.py")
     result = run_program("python", script, "--calls", "30", "--rounds", "1", timeout=120)

@@ -117,7 +117,7 @@ def descriptors(pid: int) -> collections.Counter[str]:
     return held
 
 
-def settled_descriptors(pid: int, quiet: float = 2.0, most: float = 10.0) -> dict[str, int]:
+def settled_descriptors(pid: int, quiet: float = 2.0, most: float = 6.0) -> dict[str, int]:
     """What `pid` holds once its count stopped falling for `quiet` s: a removed worker's
     pipes and store socket close only as it exits, seconds late on a loaded machine;
     a leak stays."""
