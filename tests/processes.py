@@ -54,9 +54,14 @@ def assert_gone(tree: set[int], within: float) -> None:
 
 def kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every process below it (a test's clean-up)."""
-    for each in [pid, *descendants(pid)]:
+    _send({pid} | descendants(pid), signal.SIGKILL)
+
+
+def _send(pids: set[int], sig: int) -> None:
+    """`sig` to each of `pids`; one that has already ended is passed over."""
+    for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(each, signal.SIGKILL)
+            os.kill(pid, sig)
 
 
 def stacks(parent: subprocess.Popen[Any], err: IO[str] | None = None) -> str:
@@ -67,16 +72,12 @@ def stacks(parent: subprocess.Popen[Any], err: IO[str] | None = None) -> str:
     the signal ended leaves its children to init, out of reach of `kill_tree`).
     For a test whose program did not end when it should have."""
     tree = {parent.pid} | descendants(parent.pid)
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGUSR1)
+    _send(tree, signal.SIGUSR1)
     time.sleep(2)
     if err is not None:
         err.seek(0)
         said = err.read()
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    _send(tree | descendants(parent.pid), signal.SIGKILL)
     if err is None:
         _, said = parent.communicate(timeout=30)
     return _quiet(said if isinstance(said, str) else said.decode(errors="replace"))

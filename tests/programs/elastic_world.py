@@ -117,7 +117,9 @@ def descriptors(pid: int) -> collections.Counter[str]:
     return held
 
 
-def settled_descriptors(pid: int, quiet: float = 2.0, most: float = 6.0) -> dict[str, int]:
+def settled_descriptors(
+    pid: int, quiet: float = 2.0, most: float = 6.0
+) -> collections.Counter[str]:
     """What `pid` holds once its count stopped falling for `quiet` s: a removed worker's
     pipes and store socket close only as it exits, seconds late on a loaded machine;
     a leak stays."""
@@ -126,9 +128,9 @@ def settled_descriptors(pid: int, quiet: float = 2.0, most: float = 6.0) -> dict
     while time.monotonic() - calm_since < quiet and time.monotonic() - started < most:
         time.sleep(0.1)
         now = descriptors(pid)
-        if sum(now.values()) < sum(fewest.values()):
+        if now.total() < fewest.total():
             fewest, calm_since = now, time.monotonic()
-    return dict(fewest)
+    return fewest
 
 
 def remove_self() -> None:
@@ -275,7 +277,7 @@ def edges(ctx: asyncrpc.Context) -> None:
     for _ in range(12):
         asyncrpc.remove_workers(*asyncrpc.add_workers(1))
     after = settled_descriptors(parent)
-    grown = sum(after.values()) - sum(before.values())
+    grown = after.total() - before.total()
     kinds = {k: after.get(k, 0) - before.get(k, 0) for k in {*after, *before}}
     ignoring = asyncrpc.add_workers(1, role="stubborn")[0]
     asyncrpc.rpc_sync(ignoring, stubborn)  # removed; its main never returns
