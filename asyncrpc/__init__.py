@@ -12,6 +12,8 @@ Example::
         asyncrpc.run(main, world_size=2)
 """
 
+from ._actor import actor, method
+from ._actor_pool import ActorPool
 from ._batch import Batch
 from ._core._calls import remote, rpc_async, rpc_sync
 from ._core._cancel import cancel, cancelled
@@ -73,10 +75,12 @@ from ._handles import RemoteModule, RemoteObject, call_all, spawn
 from ._launch._supervisor import run
 from ._trace._render import render_trace
 from ._trace._trace import Trace, trace
+from ._wait import wait
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "ActorPool",
     "AsyncRPCError",
     "AwaitedNonFutureError",
     "Batch",
@@ -115,6 +119,7 @@ __all__ = (
     "WorkerUnreachableError",
     "WorldFullError",
     "WorldSizeMismatchError",
+    "actor",
     "add_workers",
     "as_completed",
     "async_execution",
@@ -131,6 +136,7 @@ __all__ = (
     "init",
     "log_unwaited_failures",
     "members",
+    "method",
     "on_members",
     "on_replaced",
     "remote",
@@ -144,6 +150,7 @@ __all__ = (
     "stopping",
     "stream",
     "trace",
+    "wait",
     "wait_first",
     "with_timeout",
 )

@@ -26,8 +26,10 @@ from typing import Any
 import torch
 from torch.futures import Future
 
+from ._actor import actor
 from ._core import _futures
 from ._core._execution import async_execution
+from ._core._mailbox import ASYNC_LIMIT
 from ._fanout._fanout import Fanout
 from ._fanout._tuner import Engine
 from ._handles import RemoteObject, spawn
@@ -78,6 +80,7 @@ def _sum(outputs: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(outputs).sum(dim=0)
 
 
+@actor(max_concurrency=ASYNC_LIMIT)  # calls overlap: the fan-out runs each on its own
 class _Shard:
     """The members one worker holds, run with the local fan-out (lives on that worker)."""
 

@@ -24,7 +24,6 @@ call on the handle raises that error.
 
 from __future__ import annotations
 
-import difflib
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
@@ -33,10 +32,11 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from ._actor import actor_options, order_for, sendable_class
 from ._core import _calls, _hooks, _torch
 from ._core._errors import WorkerUnreachableError
-from ._core._execution import DESCRIBE_CALL, Kind, classify
 from ._core._futures import gather
+from ._core._mailbox import invoke, no_method
 from ._core._stream import DEFAULT_WINDOW, Stream, check_window
 
 __all__ = ("RemoteModule", "RemoteObject", "call_all", "spawn")
@@ -52,30 +52,8 @@ P = ParamSpec("P")
 def _method(obj: object, name: str) -> Callable[..., Any]:
     attr = getattr(obj, name, None)
     if not callable(attr):
-        raise AttributeError(_no_method(type(obj), name, attr))
+        raise AttributeError(no_method(type(obj), name, attr))
     return attr  # type: ignore[no-any-return]
-
-
-def _invoke(rref: rpc.RRef[Any], name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-    return _method(rref.local_value(), name)(*args, **kw)
-
-
-def _invoke_async(
-    rref: rpc.RRef[Any], name: str, args: tuple[Any, ...], kw: dict[str, Any]
-) -> Any:
-    """`_invoke` for a method that may return a Future or a coroutine (run_python_async)."""
-    return _method(rref.local_value(), name)(*args, **kw)
-
-
-_torch.mark_async(_invoke_async, _invoke_async)
-
-
-def _describe_method(rref: rpc.RRef[Any], name: str, *_: Any) -> str:
-    return f"{type(rref.local_value()).__qualname__}.{name}()"
-
-
-for _owner_side in (_invoke, _invoke_async):
-    setattr(_owner_side, DESCRIBE_CALL, _describe_method)
 
 
 def _invoke_stream(
@@ -134,6 +112,17 @@ class RemoteObject(Generic[T]):
         self.cls = cls
         self._timeout = _calls.check_timeout("timeout", timeout)
         self._window = check_window(window)
+        self._order = order_for()  # every copy of this handle here numbers its calls in it
+        self._mailbox = actor_options(cls).for_mailbox()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(vars(self))
+        state["_order"] = self._order.stream  # a copy elsewhere keeps an order of its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["_order"] = order_for(state["_order"])
+        vars(self).update(state)
 
     @property
     def owner(self) -> str:
@@ -156,20 +145,25 @@ class RemoteObject(Generic[T]):
 
             counter.options(timeout=2.5).call("add", 1)
         """
-        return type(self)(
+        copy = type(self)(
             self.rref,
             self.cls,
             timeout=self._timeout if timeout is None else timeout,
             window=self._window if window is None else window,
         )
+        copy._order = self._order  # the same handle: its calls keep one order
+        return copy
 
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         """Run `obj.method(*args, **kwargs)` on the owner and return the result."""
-        return _calls.call_sync(self._call(method, args, kwargs))
+        call, ticket = self._call(method, args, kwargs)
+        return _calls.call_sync(call, sending=self._order.sending(ticket))
 
     def call_async(self, method: str, /, *args: Any, **kwargs: Any) -> Future[Any]:
         """Start `obj.method(*args, **kwargs)` on the owner; a Future of the result."""
-        return _calls.send(self._call(method, args, kwargs))
+        call, ticket = self._call(method, args, kwargs)
+        with self._order.sending(ticket):
+            return _calls.send(call)
 
     def call_remote(self, method: str, /, *args: Any, **kwargs: Any) -> rpc.RRef[Any]:
         """Run `obj.method(*args, **kwargs)` on the owner, keep the result there; an RRef.
@@ -177,7 +171,9 @@ class RemoteObject(Generic[T]):
         As with torch's `remote`, the timeout bounds creating the result on the
         owner; bound the wait for the value with `rref.to_here(timeout)`.
         """
-        return _calls.send_remote(self._call(method, args, kwargs))
+        call, ticket = self._call(method, args, kwargs)
+        with self._order.sending(ticket):
+            return _calls.send_remote(call)
 
     def stream(self, method: str, /, *args: Any, **kwargs: Any) -> Stream[Any]:
         """Iterate the items of generator method `obj.method(*args, **kwargs)` as they come.
@@ -189,7 +185,7 @@ class RemoteObject(Generic[T]):
             for frame in env.stream("rollout", steps=100):
                 buffer.append(frame)
         """
-        self._invoker(method)  # a wrong name fails here, at once
+        self._check_method(method)  # a wrong name fails here, at once
         label = f"{self.cls.__qualname__ if self.cls else 'object'}.{method}()"
         call = _calls.check("stream", self.owner, _invoke_stream, (self.rref, method, args,
                             kwargs), None, self._timeout, label)  # fmt: skip
@@ -218,28 +214,32 @@ class RemoteObject(Generic[T]):
     def _timed(self, timeout: float) -> RemoteObject[T]:
         return self if timeout == _calls.UNSET_RPC_TIMEOUT else self.options(timeout=timeout)
 
-    def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _calls.Call:
-        """One method call, checked, through the same path as rpc_sync."""
-        call_args = (self.rref, method, args, kwargs)
+    def _call(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[_calls.Call, list[Any]]:
+        """One method call, checked, through the owner's mailbox; its ticket is numbered
+        as it is sent (`CallOrder.sending`)."""
+        self._check_method(method)
+        ticket: list[Any] = [self._order.stream, -1, self._mailbox]
         label = f"{self.cls.__qualname__ if self.cls else 'object'}.{method}()"
-        return _calls.check("call", self.owner, self._invoker(method), call_args, None,
-                            self._timeout, label)  # fmt: skip
+        call = _calls.check("call", self.owner, invoke, (self.rref, method, args, kwargs, ticket),
+                            None, self._timeout, label)  # fmt: skip
+        return call, ticket
 
     def _call_on_owner(self, func: Callable[..., Any], label: str) -> _calls.Call:
         return _calls.check("call", self.owner, func, (self.rref,), None, self._timeout, label)
 
-    def _invoker(self, method: str) -> Callable[..., Any]:
+    def _check_method(self, method: str) -> None:
         if not isinstance(method, str):
             raise TypeError(
                 f"the method is named by a string, got {type(method).__name__} {method!r:.60}; "
                 f"write handle.call('name', *args)"
             )
         if self.cls is None:
-            return _invoke_async  # the owner checks the name and runs what it finds
+            return  # the owner checks the name
         attr = getattr(self.cls, method, None)
         if not callable(attr):
-            raise AttributeError(_no_method(self.cls, method, attr))
-        return _invoke_async if classify(attr) is Kind.ASYNC else _invoke
+            raise AttributeError(no_method(self.cls, method, attr))
 
     def _what(self) -> str:
         return f"{self.cls.__qualname__} object" if self.cls is not None else "object"
@@ -270,14 +270,6 @@ class _Proxy:
 def _local_value(rref: rpc.RRef[T]) -> T:
     value: T = rref.local_value()
     return value
-
-
-def _no_method(cls: type, name: str, attr: object) -> str:
-    names = [n for n in dir(cls) if not n.startswith("_")]
-    close = difflib.get_close_matches(name, names, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    what = "has no method" if attr is None else "has an attribute, not a method, named"
-    return f"{cls.__name__} {what} {name!r}; {hint}pass a method name: handle.call('name', *args)"
 
 
 class RemoteModule(RemoteObject[M]):
@@ -331,7 +323,8 @@ def spawn(to: _calls.Target, cls: Callable[..., Any], /, *args: Any, **kwargs: A
         print(net(torch.ones(2, 4)))
     """
     _calls.check("spawn", to, cls, None, None, None)
-    rref = _calls.send_remote(_calls.check("spawn", to, _construct, (cls, args, kwargs), None,
+    sent = sendable_class(cls)
+    rref = _calls.send_remote(_calls.check("spawn", to, _construct, (sent, args, kwargs), None,
                                            None, cls))  # fmt: skip
     made = _made_class(cls)
     if made is None:  # a factory: ask the owner what it built (waits for it)

@@ -23,8 +23,9 @@ PACKAGE = pathlib.Path(asyncrpc.__file__).parent
 # Lowest first. A unit is a module, or a package whose modules are listed in their order.
 LAYERS: list[list[str]] = [
     ["_core"],
+    ["_actor", "_wait"],
     ["_handles", "_batch", "_fanout", "_trace", "_launch", "_inspect"],
-    ["_ensemble"],
+    ["_actor_pool", "_ensemble"],
     ["__init__"],
 ]
 # The RPC core in tiers, lowest first; each tier's modules in their own order. A module
@@ -61,8 +62,17 @@ CORE_TIERS: dict[str, list[str]] = {
         "_elastic",
         "_init",
     ],
-    # The verbs: what runs on the callee, the one call path, streams.
-    "call path": ["_execution", "_calls", "_stream_items", "_stream"],
+    # The verbs: what runs on the callee (its event loop, objects' mailboxes), the one call
+    # path, streams.
+    "call path": [
+        "_loop",
+        "_sendable",
+        "_execution",
+        "_mailbox",
+        "_calls",
+        "_stream_items",
+        "_stream",
+    ],
 }
 INSIDE: dict[str, list[str]] = {
     "_core": [module for tier in CORE_TIERS.values() for module in tier],
@@ -109,6 +119,7 @@ INSIDE: dict[str, list[str]] = {
         "_parent",
         "_signals",
         "_warm",
+        "_quiet",
         "_child",
         "_forkserver",
         "_launched",

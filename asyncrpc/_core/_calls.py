@@ -35,9 +35,11 @@ table in docs/design.md, "A call, end to end"); all three name through
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, TypeAlias, TypeVar, overload
 
 import torch.distributed.rpc as rpc
@@ -290,13 +292,18 @@ def send_remote(call: Call) -> rpc.RRef[Any]:
     return rref  # type: ignore[no-any-return]
 
 
-def call_sync(call: Call) -> Any:
-    """`send` and wait for the reply, refusing to block the last free RPC thread."""
+def call_sync(call: Call, sending: AbstractContextManager[None] | None = None) -> Any:
+    """`send` and wait for the reply, refusing to block the last free RPC thread.
+
+    `sending`: held while the call is sent, not while its reply is waited for.
+    """
     with holding_rpc_thread(call.worker, call.label):
         outgoing = _activity.sent(call.worker, call.label, call.sent.key)
         failed = True
         try:
-            value = send(call, cancellable=False).wait()
+            with sending if sending is not None else contextlib.nullcontext():
+                fut = send(call, cancellable=False)
+            value = fut.wait()
             failed = False
             return value
         finally:

@@ -43,6 +43,7 @@ __all__ = (
     "bookkeeping",
     "cancel",
     "cancelled",
+    "cancelled_running",
     "claim",
     "current",
     "deliver",
@@ -253,6 +254,16 @@ def running_calls() -> list[Running]:
     return sorted(running, key=lambda state: state.started)
 
 
+def cancelled_running() -> int:
+    """How many calls running here their callers cancelled (a sync function may run on).
+
+    Nobody waits for their results any more: a removed worker leaves without them.
+    """
+    calls = _runtime.part(Calls)
+    with calls.lock:
+        return sum(1 for state in calls.running.values() if state.cancelled)
+
+
 def bookkeeping() -> dict[str, int]:
     """How much cancel state this worker holds (for checks and the benchmarks).
 
@@ -271,7 +282,7 @@ def bookkeeping() -> dict[str, int]:
 
 def current() -> Running | None:
     """The call this thread runs now, if any."""
-    return _runtime.THREAD.call  # type: ignore[no-any-return]
+    return _runtime.THREAD.call or _runtime.TASK_CALL.get()  # type: ignore[no-any-return]
 
 
 def enter(state: Running | None) -> Running | None:
@@ -295,7 +306,7 @@ def cancelled() -> bool:
                     return None  # the caller gets CancelledError anyway
                 work(q)
     """
-    state = _runtime.THREAD.call
+    state = current()
     return state is not None and bool(state.cancelled)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import enum
 import functools
 import inspect
@@ -41,21 +42,27 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.futures import Future
 
-from . import _cancel, _runtime, _torch
-from ._errors import AwaitedNonFutureError, CancelledError, NotAFutureError
+from . import _cancel, _loop, _runtime, _torch
+from ._errors import CancelledError, NotAFutureError
 from ._failures import Failure, capture, check_reply, label_of
 from ._futures import await_future, completed, new_future
+from ._sendable import check_sendable
 from ._world import current_world, describe_self
 
 __all__ = [
     "DESCRIBE_CALL",
+    "ON_SKIPPED",
     "Kind",
     "async_execution",
+    "call_capturing",
     "classify",
+    "made_early",
+    "outcome_of",
     "run_python",
     "run_python_async",
     "settle_future",
     "start_coroutine",
+    "torch_called",
 ]
 
 F = TypeVar("F")
@@ -131,12 +138,7 @@ def run_python(
         return _cancelled(func, args, before=True)
     outer = _cancel.enter(state)
     try:
-        value = func(*args, **kwargs)
-    except Exception as exc:
-        value = _captured(exc, _called(func, args), False)
-        text = getattr(value.error, "remote_text", value.error)
-        with contextlib.suppress(Exception):  # a closed stderr must not fail the call
-            print(text, file=sys.stderr, flush=True)
+        value = call_capturing(func, args, kwargs, _called(func, args))
     finally:
         _cancel.enter(outer)
         if state is not None:
@@ -184,8 +186,26 @@ def run_python_async(
     return settle_future(result, _called(func, args), state=state)
 
 
+def call_capturing(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], label: object
+) -> Any:
+    """`func(*args, **kwargs)`, or the Failure it raised (written to stderr, as torch does)."""
+    try:
+        return func(*args, **kwargs)
+    except Exception as exc:
+        value = _captured(exc, label, False)
+        text = getattr(value.error, "remote_text", value.error)
+        with contextlib.suppress(Exception):  # a closed stderr must not fail the call
+            print(text, file=sys.stderr, flush=True)
+        return value
+
+
 def _cancelled(func: Callable[..., Any], args: tuple[Any, ...], before: bool = False) -> Failure:
     """The reply of a cancelled call, naming this worker and the function."""
+    skipped = getattr(func, ON_SKIPPED, None) if before else None
+    if skipped is not None:  # it holds a place in a queue (a mailbox's order): give it up
+        with contextlib.suppress(Exception):
+            skipped(*args)
     return Failure(cancelled_error(_called(func, args), before))
 
 
@@ -200,6 +220,9 @@ def cancelled_error(func: object, before: bool = False) -> CancelledError:
 # A runner's function may say what a call of it is, for messages: a handle's owner
 # side names the object's method rather than itself (see _handles).
 DESCRIBE_CALL = "_asyncrpc_describe_call"
+# ... and what to do with a call of it that was cancelled before it started, which
+# never runs it: a mailbox's call gives up its place in its caller's order (_mailbox).
+ON_SKIPPED = "_asyncrpc_on_skipped"
 
 
 def _called(func: Callable[..., Any], args: tuple[Any, ...]) -> object:
@@ -215,7 +238,7 @@ def _called(func: Callable[..., Any], args: tuple[Any, ...]) -> object:
 _torch.mark_async(run_python_async, run_python_async)
 
 
-def _for_torch() -> bool:
+def torch_called() -> bool:
     """Called as one of our wrappers starts: False when run_python_async called it."""
     thread = _runtime.THREAD
     asked = thread.asked
@@ -223,7 +246,8 @@ def _for_torch() -> bool:
     return not asked
 
 
-def _made(out: Future[Any], for_torch: bool) -> Future[Any]:
+def made_early(out: Future[Any], for_torch: bool) -> Future[Any]:
+    """`out` is the reply of the call run_python_async runs: it returns it as it is."""
     if not for_torch:
         _runtime.THREAD.made = out
     return out
@@ -246,6 +270,11 @@ def settle_future(
     _torch.set_unwrap(out, check_reply)
     _torch.combine(out, [fut])
     return out
+
+
+def outcome_of(fut: Future[Any], fn: object) -> Any:
+    """The value of a done `fut`, or the Failure its read raised (named here as `fn`)."""
+    return _capture_outcome(fn, False, None, fut)
 
 
 def _capture_outcome(
@@ -315,7 +344,7 @@ def async_execution(fn: F) -> F:
 def _wrap_returning_future(fn: Callable[..., Any]) -> Callable[..., Future[Any]]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Future[Any]:
-        for_torch = _for_torch()
+        for_torch = torch_called()
         fut = fn(*args, **kwargs)
         if not isinstance(fut, _torch.FutureType):
             raise NotAFutureError(
@@ -324,7 +353,7 @@ def _wrap_returning_future(fn: Callable[..., Any]) -> Callable[..., Future[Any]]
                 f"{type(fut).__name__} {_short(fut)}; return {_AWAITABLES}, "
                 f"or write it as `async def` and return the value"
             )
-        return _made(settle_future(fut, fn, for_torch), for_torch)
+        return made_early(settle_future(fut, fn, for_torch), for_torch)
 
     return wrapper
 
@@ -332,8 +361,8 @@ def _wrap_returning_future(fn: Callable[..., Any]) -> Callable[..., Future[Any]]
 def _wrap_coroutine(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Future[Any]]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Future[Any]:
-        for_torch = _for_torch()
-        return _made(start_coroutine(fn(*args, **kwargs), fn, for_torch), for_torch)
+        for_torch = torch_called()
+        return made_early(start_coroutine(fn(*args, **kwargs), fn, for_torch), for_torch)
 
     return wrapper
 
@@ -343,196 +372,118 @@ def start_coroutine(
     fn: object,
     for_torch: bool = False,
     state: _cancel.Running | None = None,
+    within: _cancel.Running | None = None,
+    reply: bool = True,
 ) -> Future[Any]:
-    """Run `coro` on this thread until it awaits; a Future of its result (or Failure).
+    """Run `coro` as a Task on the world's event loop; a Future of its result (or Failure).
 
     The coroutine takes charge of the call it runs for (`state`, by default
     this thread's current call, if nobody did yet): cancelling that call
-    cancels it at its current `await`. Cancelling the returned Future does too.
+    cancels its Task at its current `await`. Cancelling the returned Future
+    does too. `within`: the call it runs for, whose cancel someone else has
+    taken charge of (a mailbox's job), and which cancels the Future.
+    `reply`: its value is a call's reply, checked before torch pickles it.
     """
     _torch.install_await(await_future)  # until the world's shutdown (enable_await: for good)
     out = new_future()
-    task = _Task(coro, out, fn, for_torch)
+    task = _Task(coro, out, fn, for_torch, reply)
     state = state if state is not None else _cancel.current()
-    if state is not None and _cancel.claim(state, task.cancel):
-        task.state = state
-        state.coro = coro  # where it waits, for asyncrpc-dump
+    if within is None and state is not None and _cancel.claim(state, task.cancel):
+        within = state
+    if within is not None:
+        task.state = within
+        within.coro = coro  # where it waits, for asyncrpc-dump
+        within.thread = None  # it runs on the loop's thread, not on an RPC thread
     _torch.set_canceller(out, task.cancel)
-    task.start()
+    _loop.submit(task.start)
     return out
 
 
 class _Task:
-    """Drives one coroutine: each awaited torch Future resumes it from its done-callback.
+    """Runs one coroutine as an asyncio Task on the world's loop and settles its Future.
 
-    One step at a time (a lock): a step runs when the Task starts, when the
-    Future it awaits completes, or when it is cancelled. Cancelling throws
-    `asyncio.CancelledError` into the coroutine at its `await` (at once, or
-    at its next `await` if it is running) and cancels the Future it awaited.
+    Cancelling (from any thread) cancels the Task at its current `await`
+    (asyncio's `CancelledError` there, and the torch Future it awaited is
+    cancelled too: the next hop stops); the reply, a CancelledError, goes
+    once the coroutine has run its `finally` blocks.
     """
 
     __slots__ = (
         "__weakref__",  # its cancel is held weakly (see _torch.set_canceller)
-        "_awaiting",
         "_cancelled",
         "_coro",
-        "_done",
         "_fn",
         "_for_torch",
         "_lock",
         "_out",
+        "_reply",
         "_settled",
-        "_thrown",
-        "_waker",
+        "_task",
         "state",
     )
 
     def __init__(
-        self, coro: Coroutine[Any, Any, Any], out: Future[Any], fn: object, for_torch: bool
+        self,
+        coro: Coroutine[Any, Any, Any],
+        out: Future[Any],
+        fn: object,
+        for_torch: bool,
+        reply: bool,
     ) -> None:
+        self._reply = reply
         self._coro = coro
         self._out = out
         self._fn = fn
         self._for_torch = for_torch
-        self._lock = threading.RLock()
-        self._awaiting: Any = None
-        self._waker: _Waker | None = None
-        self._done = self._thrown = False
-        self._cancelled = self._settled = False  # _settled: `_out` has its outcome
+        self._lock = threading.Lock()
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelled = self._settled = False
         self.state: _cancel.Running | None = None
 
     def start(self) -> None:
-        self._run(None)
+        """On the loop: start the Task (or, cancelled before, settle without running)."""
+        if self._cancelled:
+            self._coro.close()
+            self._settle(None)
+            return
+        context = contextvars.copy_context()
+        context.run(_runtime.TASK_CALL.set, self.state)  # asyncrpc.cancelled() inside it
+        self._task = asyncio.get_running_loop().create_task(self._coro, context=context)
+        self._task.add_done_callback(self._settle)
 
     def cancel(self) -> bool:
-        """Fail the Future with CancelledError now; stop the coroutine at its `await`.
-
-        False when the coroutine has finished (its outcome stands).
-        """
+        """Cancel the coroutine at its `await`; False when it has finished (its outcome stands)."""
         with self._lock:
-            if self._done or self._settled:
-                return False
-            self._cancelled = self._settled = True
+            if self._settled or self._cancelled:
+                return not self._settled
+            self._cancelled = True
             if self.state is not None:
                 self.state.cancelled = True
-            awaiting = self._stop_awaiting()
-            if awaiting is None:
-                self._thrown = False  # running or not started: at its next await
-        if awaiting is not None:  # stopped first, so its finally has run by the reply
-            self._run(asyncio.CancelledError(f"{_name(self._fn)} was cancelled"))
-            _torch.cancel(awaiting)  # the call it awaited: the next hop stops too
-        self._out.set_result(Failure(cancelled_error(self._fn), self._for_torch))
+        with contextlib.suppress(RuntimeError):  # the world's loop has closed
+            _loop.submit(self._cancel_task)
         return True
 
-    def resume(self, waker: _Waker) -> None:
+    def _cancel_task(self) -> None:
+        if self._task is not None:
+            self._task.cancel(f"{_name(self._fn)} was cancelled")
+
+    def _settle(self, task: asyncio.Task[Any] | None) -> None:
         with self._lock:
-            if self._done or waker is not self._waker:
-                return  # cancelled meanwhile: the coroutine no longer waits for it
-            self._stop_awaiting()
-        self._run(None)
-
-    def _stop_awaiting(self) -> Any:
-        awaiting, self._awaiting = self._awaiting, None
-        if self._waker is not None:
-            self._waker.task = None  # what stays on `awaiting` no longer holds this Task
-            self._waker = None
-        return awaiting
-
-    def _run(self, error: BaseException | None) -> None:
-        with self._lock:
-            outcome, done = self._step(error)
-            settle = done and not self._settled
-            self._settled = self._settled or done
-        if settle:  # outside the lock: callbacks run inline here
-            self._out.set_result(outcome)
-
-    def _step(self, error: BaseException | None) -> tuple[Any, bool]:
-        outer_state = _cancel.enter(self.state)
-        thread = _runtime.THREAD
-        outer, thread.driving = thread.driving, True
+            if self._settled:
+                return
+            self._settled = True
         if self.state is not None:
-            self.state.thread = threading.get_ident()  # runs here until its next await
-        try:
-            while True:
-                try:
-                    awaited = self._coro.throw(error) if error else self._coro.send(None)
-                except StopIteration as stop:
-                    return self._finish(stop.value), True
-                except BaseException as exc:  # every failure must reach the caller
-                    failed = _captured(self._explain(exc), self._fn, self._for_torch)
-                    return self._finish(failed), True
-                error = self._next_error(awaited)
-                if error is None:
-                    self._await(awaited)
-                    return None, False
-        finally:
-            thread.driving = outer
-            _cancel.enter(outer_state)
-            if self.state is not None:
-                self.state.thread = None
+            _cancel.end(self.state)
+        self._out.set_result(self._outcome(task))
 
-    def _next_error(self, awaited: object) -> BaseException | None:
-        if not isinstance(awaited, _torch.FutureType):
-            return self._not_a_future(awaited)
+    def _outcome(self, task: asyncio.Task[Any] | None) -> Any:
         cancelled = self._cancelled or (self.state is not None and self.state.cancelled)
-        if cancelled and not self._thrown:
-            self._thrown = True  # cancelled while it ran: now, at this await
-            return asyncio.CancelledError(f"{_name(self._fn)} was cancelled")
-        return None
-
-    def _await(self, awaited: Any) -> None:
-        self._awaiting = awaited
-        self._waker = _Waker(self)
-        awaited.add_done_callback(self._waker)
-
-    def _finish(self, outcome: Any) -> Any:
-        self._done = True
-        self._stop_awaiting()
-        state = self.state
-        if state is None:
-            return outcome
-        _cancel.end(state)
-        return Failure(cancelled_error(self._fn), self._for_torch) if state.cancelled else outcome
-
-    def _not_a_future(self, awaited: object) -> AwaitedNonFutureError:
-        what = "an asyncio Future" if asyncio.isfuture(awaited) else _short(awaited)
-        return AwaitedNonFutureError(
-            f"{_name(self._fn)} awaited {what}, which RPC threads cannot wait for (they run "
-            f"no event loop); await a torch Future instead: {_AWAITABLES}"
-        )
-
-    def _explain(self, exc: BaseException) -> BaseException:
-        if isinstance(exc, TypeError) and "can't be used in 'await' expression" in str(exc):
-            err = AwaitedNonFutureError(
-                f"{_name(self._fn)}: {exc}; only torch Futures can be awaited here: {_AWAITABLES}"
-            )
-        elif isinstance(exc, RuntimeError) and "no running event loop" in str(exc):
-            err = AwaitedNonFutureError(
-                f"{_name(self._fn)}: asyncio needs an event loop, and RPC threads run no "
-                f"event loop ({exc}); await a torch Future instead: {_AWAITABLES}"
-            )
-        else:
-            return exc
-        err.__cause__ = exc
-        return err
-
-
-class _Waker:
-    """The callback a Task leaves on the Future it awaits; let go of when it stops waiting.
-
-    torch Futures cannot drop a callback: a Future that never completes keeps
-    this small object, never the Task, its coroutine or its Future.
-    """
-
-    __slots__ = ("task",)
-
-    def __init__(self, task: _Task) -> None:
-        self.task: _Task | None = task
-
-    def __call__(self, _: object) -> None:
-        task = self.task
-        if task is not None:
-            task.resume(self)
+        if task is None or cancelled or task.cancelled():
+            return Failure(cancelled_error(self._fn), self._for_torch)
+        error = task.exception()
+        if error is not None:
+            return _captured(error, self._fn, self._for_torch)
+        return check_sendable(task.result(), self._fn) if self._reply else task.result()
 
 
 def _name(fn: object) -> str:

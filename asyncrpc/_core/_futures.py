@@ -16,14 +16,15 @@ its own type, and a callback that raises never leaves a Future pending::
 Timeouts share one clock thread that sleeps until the nearest deadline; no
 thread is held per Future.
 
-`enable_await` gives torch Futures an `__await__`: inside an async_execution
-coroutine (`driving`) the coroutine yields the Future to its driver; under a
-running asyncio loop the Future is bridged to that loop.
+`enable_await` gives torch Futures an `__await__`: under a running asyncio
+loop (the world's own, where remote coroutines run, or the user's) the
+Future is bridged to that loop, and cancelling the await cancels the Future.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import heapq
 import itertools
@@ -36,12 +37,13 @@ from typing import Any, TypeVar
 
 from torch.futures import Future
 
-from . import _runtime, _torch
+from . import _torch
 from ._errors import CancelledError
 from ._failures import check_reply, hold
 
 __all__ = [
     "as_completed",
+    "as_futures",
     "await_future",
     "call_later",
     "chain",
@@ -200,7 +202,8 @@ def then_child(child: Future[Any], source: Future[Any]) -> Future[Any]:
     return ThenChild(child, source).future
 
 
-def _futures(verb: str, items: Iterable[object]) -> list[Future[Any]]:
+def as_futures(verb: str, items: Iterable[object]) -> list[Future[Any]]:
+    """`items` as a list of torch Futures, or a TypeError naming what is not one."""
     if isinstance(items, _FutureType):
         raise TypeError(f"{verb} takes a list of Futures, got one Future; write {verb}([fut])")
     found = list(items)
@@ -225,7 +228,7 @@ def chain(fut: Future[Any], *fns: Callable[[Any], Any]) -> Future[Any]:
             lambda z: z.sum(),
         )
     """
-    (fut,) = _futures("chain", [fut])
+    (fut,) = as_futures("chain", [fut])
     for fn in fns:
         if not callable(fn):
             raise TypeError(
@@ -261,7 +264,7 @@ def gather(futs: Iterable[Future[Any]]) -> Future[list[Any]]:
         futs = [asyncrpc.rpc_async(n, torch.ones, args=((2,),)) for n in ctx.names]
         values = asyncrpc.gather(futs).wait()
     """
-    items = _futures("gather", futs)
+    items = as_futures("gather", futs)
     out = Settle()
     _torch.combine(out.future, items)
     if not items:
@@ -297,7 +300,7 @@ def wait_first(futs: Iterable[Future[Any]]) -> Future[Future[Any]]:
         first = asyncrpc.wait_first([fast, slow]).wait()
         print(first.wait())
     """
-    items = _futures("wait_first", futs)
+    items = as_futures("wait_first", futs)
     if not items:
         raise ValueError("wait_first needs at least one Future, got none")
     out = Settle()
@@ -321,7 +324,7 @@ def as_completed(
         for fut in asyncrpc.as_completed(futs, timeout=30):
             print(fut.wait())
     """
-    items = _futures("as_completed", futs)
+    items = as_futures("as_completed", futs)
     deadline = None
     if timeout is not None:
         deadline = time.monotonic() + check_seconds("as_completed", timeout, zero=False)
@@ -381,7 +384,7 @@ def with_timeout(fut: Future[T], seconds: float, *, cancel: bool = False) -> Fut
 
         fut = asyncrpc.with_timeout(asyncrpc.rpc_async("worker1", slow), 5.0, cancel=True)
     """
-    (source,) = _futures("with_timeout", [fut])
+    (source,) = as_futures("with_timeout", [fut])
     delay = check_seconds("with_timeout", seconds, zero=False)
     if not isinstance(cancel, bool):
         raise TypeError(f"with_timeout: cancel must be True or False, got {cancel!r}")
@@ -494,9 +497,9 @@ def await_future(fut: Future[Any]) -> Generator[Any, None, Any]:
     """torch Future's `__await__` (see the module doc)."""
     if not fut.done():
         _torch.check_guard(fut)  # a Future that can never complete fails the await now
-        loop = None if _runtime.THREAD.driving else _running_loop()
+        loop = _running_loop()
         if loop is None:
-            yield fut  # an async_execution _Task resumes us when fut is done
+            yield fut  # no event loop runs here: whoever drives the coroutine waits for it
         else:
             yield from _bridge(fut, loop)
     return fut.wait()
@@ -510,10 +513,15 @@ def _bridge(fut: Future[Any], loop: asyncio.AbstractEventLoop) -> Generator[Any,
             waiter.set_result(None)
 
     def on_done(_: Future[Any]) -> None:
-        loop.call_soon_threadsafe(wake)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(wake)
 
     fut.add_done_callback(on_done)
-    yield from waiter
+    try:
+        yield from waiter
+    except asyncio.CancelledError:
+        _torch.cancel(fut)  # the call it awaited: the next hop stops too
+        raise
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -26,11 +26,12 @@ type) stay in their modules; docs/design.md lists them.
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import threading
 from typing import Any, TypeVar
 
-__all__ = ("SLOT", "THREAD", "Runtime", "end", "part", "running_world")
+__all__ = ("SLOT", "TASK_CALL", "THREAD", "Runtime", "end", "part", "running_world")
 
 P = TypeVar("P")
 
@@ -101,15 +102,14 @@ class _Process:
 class _Thread(threading.local):
     """What one thread is doing now (each thread sees its own; these are the defaults).
 
-    `call`: the `_cancel.Running` call it runs. `driving`: it drives an
-    `async_execution` coroutine (`_futures`). `asked`/`made`: a reply the
+    `call`: the `_cancel.Running` call it runs (a coroutine on the world's
+    loop has its own, `TASK_CALL`). `asked`/`made`: a reply the
     function it runs made early (`_execution`). `replying`: the torch id of
     the caller whose reply torch pickles on this thread now (`_execution`),
     so an RRef in it crosses as `_forks` says.
     """
 
     call: Any = None
-    driving = False
     asked = False
     made: Any = None
     replying: int | None = None
@@ -117,6 +117,9 @@ class _Thread(threading.local):
 
 SLOT = _Process()
 THREAD = _Thread()
+# The call a coroutine on the world's event loop runs for: many share the loop's
+# thread, so each Task carries its own (`_execution` sets it in the Task's context).
+TASK_CALL: contextvars.ContextVar[Any] = contextvars.ContextVar("asyncrpc_call", default=None)
 
 
 def running_world() -> Any:

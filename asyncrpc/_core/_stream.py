@@ -429,7 +429,7 @@ def _open(
         world.members.on_gone(_close_from)
         world.members.on_busy(open_producers)  # a removed worker leaves once they are done
     if inspect.isasyncgen(gen):
-        producer.pump = start_coroutine(_pump_async(producer), func)
+        producer.pump = start_coroutine(_pump_async(producer), func, reply=False)
     else:
         name = f"asyncrpc-stream-{label}"
         producer.thread = threading.Thread(target=_pump, args=(producer,), name=name, daemon=True)
@@ -470,7 +470,7 @@ async def _pump_async(producer: _Producer) -> None:
                     credit = producer.credit = new_future()
                 await cast(Awaitable[Any], credit)  # asyncrpc's __await__
                 continue
-            producer.next_item = start_coroutine(_anext(producer.gen), producer.label)
+            producer.next_item = start_coroutine(_anext(producer.gen), producer.label, reply=False)
             producer.put(_sendable(await cast(Awaitable[Any], producer.next_item), producer))
     except StopAsyncIteration:
         pass

@@ -14,6 +14,7 @@ import asyncrpc
 from helpers import start_world
 
 
+@asyncrpc.actor(concurrency_groups={"admin": 1})
 class Counter:
     def __init__(self) -> None:
         self.value = 0
@@ -22,6 +23,7 @@ class Counter:
         time.sleep(seconds)
         return self.value
 
+    @asyncrpc.method(concurrency_group="admin")  # answers while `slow` runs
     def pid(self) -> int:
         return os.getpid()
 

@@ -1,0 +1,294 @@
+"""Actor options, as Ray users write them, and the order a handle's calls keep.
+
+`@asyncrpc.actor(...)` sets how many calls of an object run at once and
+how often it is rebuilt; `@asyncrpc.method(...)` puts a method in a
+concurrency group and says when its calls are retried. The owner enforces
+the limits (`_core._mailbox`); the caller numbers its calls: every copy of
+one handle on one worker shares a `CallOrder`, which numbers the calls
+in the order they are sent (under its lock, so a number is used only if
+its call left)::
+
+    @asyncrpc.actor(max_concurrency=2, concurrency_groups={"io": 4})
+    class Server: ...                        (a subclass carrying the options)
+    h = asyncrpc.spawn("w1", Server)         h's CallOrder: stream id, next number
+    h.call_async("get", k)  ── (stream, 0, options) ──> Server's mailbox on w1
+    h.call_async("get", k)  ── (stream, 1, options) ──>   starts no earlier than call 0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple, TypeVar
+
+from ._core import _runtime
+from ._core._mailbox import METHOD_OPTIONS, Options, method_group
+
+__all__ = (
+    "ActorOptions",
+    "CallOrder",
+    "MethodOptions",
+    "actor",
+    "actor_options",
+    "method",
+    "method_options",
+    "order_for",
+    "sendable_class",
+)
+
+C = TypeVar("C", bound=type)
+F = TypeVar("F")
+Retryable = bool | tuple[type[BaseException], ...]
+_ACTOR_OPTIONS = "__asyncrpc_actor__"
+_ACTOR_BASE = "__asyncrpc_actor_base__"
+
+
+class ActorOptions(NamedTuple):
+    """What `asyncrpc.actor` sets on a class."""
+
+    max_concurrency: int | None = None
+    concurrency_groups: tuple[tuple[str, int], ...] = ()
+    max_restarts: int = 0
+
+    def for_mailbox(self) -> Options:
+        return Options(self.max_concurrency, self.concurrency_groups)
+
+
+class MethodOptions(NamedTuple):
+    """What `asyncrpc.method` sets on a method."""
+
+    concurrency_group: str | None = None
+    max_retries: int = 0
+    retry_exceptions: Retryable = False
+
+
+def actor(
+    max_concurrency: int | None = None,
+    concurrency_groups: Mapping[str, int] | None = None,
+    max_restarts: int = 0,
+) -> Callable[[C], C]:
+    """Set how an object of the class runs its calls (a class decorator, as Ray's).
+
+    `max_concurrency`: calls at once (default 1: one call at a time; 1000
+    for a class with `async def` methods, which interleave on the worker's
+    event loop). `concurrency_groups`: groups with limits of their own,
+    which `asyncrpc.method(concurrency_group=...)` puts methods in.
+    `max_restarts`: how often an object on a worker that was replaced is
+    rebuilt from its constructor's arguments (-1: always).
+
+    Decorating gives a subclass carrying the options; applied where an
+    object is made, it leaves the class as it was.
+
+    Example::
+
+        @asyncrpc.actor(max_concurrency=4, concurrency_groups={"io": 2})
+        class Server:
+            def compute(self, x): ...
+
+            @asyncrpc.method(concurrency_group="io")
+            async def fetch(self, url): ...
+
+        h = asyncrpc.spawn("worker1", asyncrpc.actor(max_concurrency=8)(Server))
+    """
+    options = ActorOptions(
+        _limit("max_concurrency", max_concurrency),
+        _groups(concurrency_groups),
+        _restarts(max_restarts),
+    )
+
+    def decorate(cls: C) -> C:
+        if not isinstance(cls, type):
+            raise TypeError(
+                f"asyncrpc.actor decorates a class, got {type(cls).__name__} {cls!r:.60}; "
+                f"write @asyncrpc.actor(...) above `class`"
+            )
+        base = vars(cls).get(_ACTOR_BASE, cls)  # decorating twice: the last options count
+        _check_groups(base, options)
+        namespace = {
+            _ACTOR_OPTIONS: options, _ACTOR_BASE: base, "__module__": base.__module__,
+            "__qualname__": base.__qualname__, "__doc__": base.__doc__,
+        }  # fmt: skip
+        made: C = type(base)(base.__name__, (base,), namespace)
+        return made
+
+    return decorate
+
+
+def method(
+    concurrency_group: str | None = None, max_retries: int = 0, retry_exceptions: Retryable = False
+) -> Callable[[F], F]:
+    """Set a method's concurrency group and retries (a method decorator, as Ray's).
+
+    `max_retries`: how often a failed call is sent again (-1: always);
+    `retry_exceptions`: which failures of the method itself count (False:
+    none, True: any, or a tuple of exception types). In a world that heals,
+    a call that met the death of its callee is retried on the replacement
+    when `max_retries` allows (at least once, then: only where asked).
+
+    Example::
+
+        class Fetcher:
+            @asyncrpc.method(concurrency_group="io", max_retries=3,
+                             retry_exceptions=(ConnectionError,))
+            async def fetch(self, url): ...
+    """
+    options = MethodOptions(
+        _group_name(concurrency_group), _retries("max_retries", max_retries),
+        check_retryable(retry_exceptions),
+    )  # fmt: skip
+
+    def decorate(fn: F) -> F:
+        target = getattr(fn, "__func__", fn)  # staticmethod, classmethod
+        if not callable(target):
+            raise TypeError(
+                f"asyncrpc.method decorates a method, got {type(fn).__name__} {fn!r:.60}"
+            )
+        setattr(target, METHOD_OPTIONS, options)
+        return fn
+
+    return decorate
+
+
+def actor_options(cls: type | None) -> ActorOptions:
+    """The options of `cls` (set by `asyncrpc.actor`), or the defaults."""
+    found = getattr(cls, _ACTOR_OPTIONS, None)
+    return found if isinstance(found, ActorOptions) else ActorOptions()
+
+
+def method_options(cls: type | None, name: str) -> MethodOptions:
+    """The options of method `name` of `cls` (set by `asyncrpc.method`), or the defaults."""
+    found = getattr(getattr(cls, name, None), METHOD_OPTIONS, None)
+    return found if isinstance(found, MethodOptions) else MethodOptions()
+
+
+def sendable_class(cls: Any) -> Any:
+    """What to send for `cls`: an options subclass that pickle cannot find by name sends
+    its base (the handle carries the options)."""
+    base = vars(cls).get(_ACTOR_BASE) if isinstance(cls, type) else None
+    if base is None or _found_by_name(cls):
+        return cls
+    return base
+
+
+def _found_by_name(cls: type) -> bool:
+    found: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is cls
+
+
+# ---- checking the options -----------------------------------------------------------------
+
+
+def _limit(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a whole number of at least 1, or None; got {value!r}")
+    return value
+
+
+def _restarts(value: object) -> int:
+    return _retries("max_restarts", value)
+
+
+def _retries(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"{name} must be a whole number >= 0, or -1 for no limit; got {value!r}")
+    return value
+
+
+def _group_name(value: object) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"concurrency_group must be a group's name or None; got {value!r}")
+    return value
+
+
+def _groups(groups: Mapping[str, int] | None) -> tuple[tuple[str, int], ...]:
+    if groups is None:
+        return ()
+    if not isinstance(groups, Mapping):
+        raise TypeError(
+            f"concurrency_groups maps names to limits, e.g. {{'io': 2}}; got "
+            f"{type(groups).__name__} {groups!r:.60}"
+        )
+    checked = []
+    for name, limit in groups.items():
+        _group_name(name)
+        checked.append((name, _limit(f"concurrency_groups[{name!r}]", limit) or 1))
+    return tuple(sorted(checked))
+
+
+def check_retryable(value: object) -> Retryable:
+    """`retry_exceptions` as given, checked: False, True, or a tuple of exception types."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, type) and issubclass(value, BaseException):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(
+        isinstance(t, type) and issubclass(t, BaseException) for t in value
+    ):
+        return tuple(value)
+    raise TypeError(
+        f"retry_exceptions must be False, True or a tuple of exception types; got "
+        f"{type(value).__name__} {value!r:.60}"
+    )
+
+
+def _check_groups(cls: type, options: ActorOptions) -> None:
+    declared = {name for name, _ in options.concurrency_groups}
+    for name in dir(cls):
+        group = method_group(cls, name)
+        if group and group not in declared:
+            raise ValueError(
+                f"{cls.__qualname__}.{name} is in concurrency group {group!r}, which "
+                f"@asyncrpc.actor does not declare (it has {sorted(declared)}); add "
+                f"concurrency_groups={{{group!r}: N}}"
+            )
+
+
+# ---- the order of a handle's calls --------------------------------------------------------
+
+
+class CallOrder:
+    """The numbering of one handle's calls on this worker (shared by its copies)."""
+
+    __slots__ = ("__weakref__", "lock", "next", "stream")
+
+    def __init__(self, stream: int) -> None:
+        self.stream = stream
+        self.next = 0
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def sending(self, ticket: list[Any]) -> Iterator[None]:
+        """Number `ticket` and hold the order while its call is sent; a failed send
+        gives its number back."""
+        with self.lock:
+            ticket[1] = self.next
+            yield
+            self.next += 1
+
+
+class CallOrders:
+    """This world's call orders of handles that came from other workers (a `_runtime` part)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.orders: weakref.WeakValueDictionary[int, CallOrder] = weakref.WeakValueDictionary()
+
+
+def order_for(stream: int | None = None) -> CallOrder:
+    """A new handle's order (None), or this worker's for a handle that came as `stream`."""
+    if stream is None:
+        return CallOrder(secrets.randbits(62) | 1)
+    orders = _runtime.part(CallOrders)
+    with orders.lock:
+        found = orders.orders.get(stream)
+        if found is None:  # a stream of its own: the owner orders each worker's calls apart
+            found = orders.orders[stream] = CallOrder(secrets.randbits(62) | 1)
+        return found

@@ -1,0 +1,387 @@
+"""An object's mailbox: the order of its method calls, and how many run at once.
+
+Every method call through a handle carries a ticket: the stream of the
+handle (one per handle and worker, shared by its copies), the call's
+number in it, and the object's concurrency options. The owner keeps one
+`Mailbox` per object, found by its RRef's id; it starts the calls of a
+stream in the order they were sent, and at most a group's limit at once::
+
+    caller                                  owner: the object's Mailbox
+    h.call_async("add", 1)                  stream: is it call k's turn?
+      ticket (stream, k, options) ─ rpc ──>   no: parked until k-1 has been let through
+                                              yes: let through to the method's group
+                                            group: fewer than its limit running?
+                                              no: waits in the group's queue (first in,
+                                                  first out)
+                                              yes: starts; a sync method runs on this
+                                                  RPC thread (on an `asyncrpc-actor` thread
+                                                  when it had to wait), an `async def` on
+                                                  the world's event loop
+    reply  <── the call's Future ─────────  ends: the next waiting call of its group starts
+
+Limits: a named group's own (`concurrency_groups`); in the default group,
+`max_concurrency`, else 1 for sync methods and 1000 for async ones (`async
+def`, or `async_execution` returning a Future), counted apart: a sync call
+may run beside the object's async ones.
+A call cancelled while it waits gives up its place at once; one cancelled
+before it arrived gives up its number in the stream (`ON_SKIPPED`).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import difflib
+import inspect
+import threading
+import weakref
+from typing import Any, NamedTuple
+
+from torch.futures import Future
+
+from . import _cancel, _runtime, _torch
+from ._errors import CancelledError
+from ._execution import (
+    DESCRIBE_CALL,
+    ON_SKIPPED,
+    Kind,
+    call_capturing,
+    cancelled_error,
+    classify,
+    made_early,
+    outcome_of,
+    settle_future,
+    start_coroutine,
+    torch_called,
+)
+from ._failures import Failure
+from ._futures import new_future
+from ._sendable import check_sendable
+
+__all__ = (
+    "ASYNC_LIMIT",
+    "METHOD_OPTIONS",
+    "Mailboxes",
+    "Options",
+    "invoke",
+    "method_group",
+    "no_method",
+)
+
+ASYNC_LIMIT = 1000  # calls at once on an object with async methods, by default (as Ray)
+_ACTOR_THREADS = 32  # threads that run sync calls which had to wait for their turn
+METHOD_OPTIONS = "__asyncrpc_method__"  # where asyncrpc.method keeps a method's options
+
+
+class Options(NamedTuple):
+    """An object's concurrency options, as its handles send them with each call."""
+
+    max_concurrency: int | None = None  # None: 1, or ASYNC_LIMIT with async methods
+    groups: tuple[tuple[str, int], ...] = ()
+
+
+def method_group(cls: type, name: str) -> str:
+    """The concurrency group of `cls.name` ("" for the default one)."""
+    options = getattr(getattr(cls, name, None), METHOD_OPTIONS, None)
+    group = getattr(options, "concurrency_group", None)
+    return group or ""
+
+
+# ---- the owner's entry: what a handle's method call runs -----------------------------
+
+
+def invoke(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+           ticket: list[Any]) -> Future[Any]:  # fmt: skip
+    """Run `obj.name(*args, **kwargs)` when the object's mailbox lets it; a Future of it."""
+    for_torch = torch_called()
+    obj = rref.local_value()
+    box = _runtime.part(Mailboxes).find(rref, obj, ticket[2])
+    job = _Job(box, obj, name, args, kwargs)
+    state = _cancel.current()
+    if state is not None and _cancel.claim(state, job.cancel):
+        job.state = state
+    box.admit(job, ticket[0], ticket[1])
+    return made_early(job.out, for_torch)
+
+
+def _skipped(rref: Any, name: str, args: Any, kwargs: Any, ticket: list[Any]) -> None:
+    """A call cancelled before it arrived: its number in the stream is let through."""
+    box = _runtime.part(Mailboxes).find(rref, rref.local_value(), ticket[2])
+    box.admit(None, ticket[0], ticket[1])
+
+
+def _describe(rref: Any, name: str, *_: Any) -> str:
+    return f"{type(rref.local_value()).__qualname__}.{name}()"
+
+
+_torch.mark_async(invoke, invoke)
+setattr(invoke, DESCRIBE_CALL, _describe)
+setattr(invoke, ON_SKIPPED, _skipped)
+
+
+# ---- the mailboxes of this worker's objects -------------------------------------------
+
+
+class Mailboxes:
+    """This world's mailboxes, by RRef id, and the threads that run waiting sync calls."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.boxes: dict[tuple[int, int], Mailbox] = {}
+        self.executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.closed = False
+
+    def find(self, rref: Any, obj: object, options: Options) -> Mailbox:
+        key = _torch.rref_id(rref)
+        with self.lock:
+            box = self.boxes.get(key)
+            if box is None:
+                box = self.boxes[key] = Mailbox(self, type(obj), Options(*options))
+                # Released with the object; one that cannot be weakly referenced keeps
+                # its small mailbox (no reference to the object) until the world ends.
+                with contextlib.suppress(TypeError):
+                    weakref.finalize(obj, self.boxes.pop, key, None)
+            return box
+
+    def run_later(self, job: _Job) -> None:
+        with self.lock:
+            if self.executor is None:
+                self.executor = concurrent.futures.ThreadPoolExecutor(
+                    _ACTOR_THREADS, thread_name_prefix="asyncrpc-actor"
+                )
+            executor = self.executor
+        try:
+            executor.submit(job.run)
+        except RuntimeError:  # the world has ended
+            job.finish(Failure(RuntimeError("the world ended before the call could start")))
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed, executor = True, self.executor
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _Order:
+    """One stream's place: the number of the call to let through next, and those early."""
+
+    __slots__ = ("early", "next")
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.early: dict[int, _Job | None] = {}
+
+
+class _Group:
+    __slots__ = ("limit", "running", "waiting")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.running = 0
+        self.waiting: collections.deque[_Job] = collections.deque()
+
+
+class Mailbox:
+    """One object's calls: the order of each stream, each group's running and waiting."""
+
+    def __init__(self, boxes: Mailboxes, cls: type, options: Options) -> None:
+        self.boxes = boxes
+        self.lock = threading.Lock()
+        self.max_concurrency = options.max_concurrency
+        self.limits = dict(options.groups)
+        self.cls = cls
+        self.streams: dict[int, _Order] = {}
+        self.groups: dict[tuple[str, bool], _Group] = {}
+        self.kinds: dict[str, tuple[tuple[str, bool], bool]] = {}  # method -> _group_of
+
+    def admit(self, job: _Job | None, stream: int, number: int) -> None:
+        """Take a call (None: a skipped number), and start what may start now."""
+        with self.lock:
+            through = self._let_through(job, stream, number)
+            start = [j for j in through if self._take_place(j)]
+        # The call that brought the turn runs on its own RPC thread, after the others
+        # let through with it have been handed on (it may take long).
+        here = job if start and start[0] is job and _torch.is_rpc_thread() else None
+        for ready in start:
+            if ready is not here:
+                self._start(ready, here=False)
+        if here is not None:
+            here.run()
+
+    def done(self, job: _Job) -> None:
+        """`job` has ended: its group's next waiting calls start."""
+        with self.lock:
+            group = self.groups[job.group]
+            group.running -= 1
+            start = []
+            while group.waiting and group.running < group.limit:
+                waiting = group.waiting.popleft()
+                if not waiting.ended:
+                    group.running += 1
+                    start.append(waiting)
+        for ready in start:
+            self._start(ready, here=False)
+
+    def _let_through(self, job: _Job | None, stream: int, number: int) -> list[_Job]:
+        if stream == 0:  # a caller that keeps no order
+            return [job] if job is not None else []
+        order = self.streams.setdefault(stream, _Order())
+        if number != order.next:
+            order.early[number] = job
+            return []
+        through = [job] if job is not None else []
+        order.next += 1
+        while order.next in order.early:
+            early = order.early.pop(order.next)
+            order.next += 1
+            if early is not None:
+                through.append(early)
+        return through
+
+    def _take_place(self, job: _Job) -> bool:
+        job.group, job.is_async = self._group_of(job.name)
+        group = self.groups.get(job.group)
+        if group is None:
+            group = self.groups[job.group] = _Group(self._limit(*job.group))
+        if job.ended:
+            return False  # cancelled while it waited for its turn
+        if group.running < group.limit:
+            group.running += 1
+            return True
+        group.waiting.append(job)
+        return False
+
+    def _group_of(self, name: str) -> tuple[tuple[str, bool], bool]:
+        """((group, async?), async?): the default group counts sync and async calls apart."""
+        found = self.kinds.get(name)
+        if found is None:
+            is_async = _is_async_method(getattr(self.cls, name, None))
+            group = method_group(self.cls, name)
+            found = self.kinds[name] = ((group, is_async and not group), is_async)
+        return found
+
+    def _limit(self, group: str, is_async: bool) -> int:
+        if group:
+            return self.limits.get(group, self.max_concurrency or 1)
+        return self.max_concurrency or (ASYNC_LIMIT if is_async else 1)
+
+    def _start(self, job: _Job, here: bool) -> None:
+        if here or job.is_async:  # an async method only starts (its Task, its Future)
+            job.run()
+        else:
+            self.boxes.run_later(job)
+
+
+def _is_async_method(attr: object) -> bool:
+    """Whether `attr` runs without holding a thread: an `async def`, or async_execution."""
+    return attr is not None and classify(attr) is Kind.ASYNC
+
+
+# ---- one call ---------------------------------------------------------------------------
+
+
+class _Job:
+    """One method call in a mailbox: waits for its turn, runs, replies through `out`."""
+
+    __slots__ = ("args", "box", "ended", "group", "inner", "is_async", "kwargs", "name", "obj",
+                 "out", "started", "state")  # fmt: skip
+
+    def __init__(self, box: Mailbox, obj: object, name: str, args: Any, kwargs: Any) -> None:
+        self.box, self.obj, self.name = box, obj, name
+        self.args, self.kwargs = args, kwargs
+        self.out = new_future()
+        self.state: _cancel.Running | None = None
+        self.group = ("", False)
+        self.is_async = self.started = self.ended = False
+        self.inner: Any = None  # the Future an async method's call waits for
+
+    @property
+    def label(self) -> str:
+        return f"{self.box.cls.__qualname__}.{self.name}()"
+
+    def run(self) -> None:
+        """Start the method (on whichever thread its turn came)."""
+        with self.box.lock:
+            if self.ended:
+                return
+            self.started = True
+        outer = _cancel.enter(self.state)
+        try:
+            result = self._call()
+        finally:
+            _cancel.enter(outer)
+        if isinstance(result, _torch.FutureType):
+            self.inner = result
+            result.add_done_callback(self._inner_done)
+            if self.state is not None and self.state.cancelled:
+                _torch.cancel(result)  # cancelled while it started
+        else:
+            self.finish(result)
+
+    def _call(self) -> Any:
+        thread = _runtime.THREAD
+        thread.asked, thread.made = True, None  # async_execution methods reply our way
+        try:
+            method = getattr(self.obj, self.name, None)
+            if not callable(method):
+                raise AttributeError(no_method(self.box.cls, self.name, method))
+            result = call_capturing(method, self.args, self.kwargs, self.label)
+        except AttributeError as exc:
+            result = call_capturing(_raise, (exc,), {}, self.label)
+        finally:
+            made, thread.asked, thread.made = thread.made, False, None
+        if inspect.iscoroutine(result):
+            return start_coroutine(result, self.label, within=self.state)
+        if isinstance(result, _torch.FutureType) and result is not made:
+            return settle_future(result, self.label)
+        return result
+
+    def _inner_done(self, fut: Future[Any]) -> None:
+        self.finish(outcome_of(fut, self.label))
+
+    def finish(self, value: Any) -> None:
+        """The call's outcome: its group's place goes to the next, then the reply."""
+        with self.box.lock:
+            if self.ended:
+                return
+            self.ended = True
+            started = self.started
+        state = self.state
+        if state is not None:
+            if state.cancelled and not _is_cancelled(value):
+                value = Failure(cancelled_error(self.label))
+            _cancel.end(state)
+        if started:
+            self.box.done(self)
+        self.out.set_result(check_sendable(value, self.label))
+        self.obj = self.args = self.kwargs = self.inner = None  # nothing kept once replied
+
+    def cancel(self) -> bool:
+        """Cancelled: a waiting call ends now; a running one as its method allows."""
+        with self.box.lock:
+            if self.ended:
+                return False
+            started, inner = self.started, self.inner
+        if not started:
+            self.finish(Failure(cancelled_error(self.label, before=True)))
+        elif inner is not None:
+            _torch.cancel(inner)  # an async method stops at its await
+        return True
+
+
+def no_method(cls: type, name: str, attr: object) -> str:
+    """What to say when `cls` has no method `name` (`attr`: what it has by that name)."""
+    names = [n for n in dir(cls) if not n.startswith("_")]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    what = "has no method" if attr is None else "has an attribute, not a method, named"
+    return f"{cls.__name__} {what} {name!r}; {hint}pass a method name: handle.call('name', *args)"
+
+
+def _is_cancelled(value: object) -> bool:
+    return isinstance(value, Failure) and isinstance(value.error, CancelledError)
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc

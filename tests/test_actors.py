@@ -1,0 +1,273 @@
+"""Objects as actors: one call at a time by default, groups and limits, asyncio, order.
+
+A property-based test drives random mixes of sync and async methods, groups
+and limits through one handle, and checks on the owner what ran at once
+and in which order the calls of each group started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import asyncrpc
+
+from conftest import until
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class Tally:
+    """A counter whose update races when two calls overlap (read, sleep, write)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.order: list[int] = []
+        self.active = self.most = 0
+
+    def add(self, tag: int) -> int:
+        self.active += 1
+        self.most = max(self.most, self.active)
+        seen = self.value
+        time.sleep(0.0005)
+        self.value = seen + 1
+        self.order.append(tag)
+        self.active -= 1
+        return self.value
+
+    def state(self) -> tuple[int, list[int], int]:
+        return self.value, self.order, self.most
+
+    def slow(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+def test_calls_on_one_object_run_one_at_a_time_in_the_order_sent(
+    world: asyncrpc.Context,
+) -> None:
+    tally = asyncrpc.spawn("worker1", Tally)
+    futs = [tally.call_async("add", i) for i in range(64)]
+    torch.futures.wait_all(futs)
+    value, order, most = tally.call("state")
+    assert (value, most) == (64, 1)  # no update lost, never two at once
+    assert order == list(range(64))  # as this thread sent them
+    assert [f.wait() for f in futs] == list(range(1, 65))
+
+
+def test_max_concurrency_lets_that_many_run(world: asyncrpc.Context) -> None:
+    tally = asyncrpc.spawn("worker1", asyncrpc.actor(max_concurrency=4)(Tally))
+    torch.futures.wait_all([tally.call_async("slow", 0.05) for _ in range(16)])
+    torch.futures.wait_all([tally.call_async("add", i) for i in range(32)])
+    assert 1 < tally.call("state")[2] <= 4
+    assert tally.to_here().order  # the object comes back as its own class
+
+
+@asyncrpc.actor(concurrency_groups={"admin": 1})
+class Service:
+    """`status` answers in its own group while `work` runs."""
+
+    def work(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "worked"
+
+    @asyncrpc.method(concurrency_group="admin")
+    def status(self) -> str:
+        return "up"
+
+
+def test_a_concurrency_group_runs_beside_the_default_one(world: asyncrpc.Context) -> None:
+    service = asyncrpc.spawn("worker2", Service)
+    busy = service.call_async("work", 1.0)
+    started = time.monotonic()
+    assert service.call("status") == "up"
+    assert time.monotonic() - started < 0.9  # did not wait for `work`
+    assert busy.wait() == "worked"
+    assert service.to_here().status() == "up"  # a decorated class pickles by its name
+
+
+class Waiter:
+    """Async methods: they interleave on the worker's event loop."""
+
+    def __init__(self) -> None:
+        self.active = self.most = 0
+        self.queue: asyncio.Queue[int] | None = None
+
+    async def nap(self, seconds: float) -> str:
+        self.active += 1
+        self.most = max(self.most, self.active)
+        await asyncio.sleep(seconds)
+        self.active -= 1
+        return threading.current_thread().name
+
+    async def put(self, item: int) -> None:
+        if self.queue is None:
+            self.queue = asyncio.Queue()
+        await self.queue.put(item)
+
+    async def get(self) -> int:
+        if self.queue is None:
+            self.queue = asyncio.Queue()
+        return await asyncio.wait_for(self.queue.get(), 10)
+
+    def most_at_once(self) -> int:
+        return self.most
+
+
+def test_async_methods_interleave_on_the_event_loop(world: asyncrpc.Context) -> None:
+    waiter = asyncrpc.spawn("worker1", Waiter)
+    futs = [waiter.call_async("nap", 0.3) for _ in range(100)]
+    assert {f.wait() for f in futs} == {"asyncrpc-loop"}
+    assert waiter.call("most_at_once") >= 50  # they overlapped (1000 may run at once)
+    got = waiter.call_async("get")  # waits on an asyncio.Queue ...
+    waiter.call("put", 7)  # ... which another call fills
+    assert got.wait() == 7
+
+
+def test_cancelling_a_call_that_waits_for_its_turn(world: asyncrpc.Context) -> None:
+    tally = asyncrpc.spawn("worker2", Tally)
+    busy = tally.call_async("slow", 0.5)
+    waiting = tally.call_async("add", 0)
+    later = tally.call_async("add", 1)
+    assert asyncrpc.cancel(waiting) is True
+    with pytest.raises(asyncrpc.CancelledError, match=r"Tally.add\(\) on worker 'worker2'"):
+        waiting.wait()
+    assert later.wait() == 1 and busy.wait() == 0.5  # its turn went to the next
+    assert tally.call("state")[1] == [1]
+
+
+class Blocked:
+    async def until_cancelled(self) -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.seen = asyncrpc.cancelled()
+            raise
+        return "slept"
+
+    def seen_cancel(self) -> bool:
+        return bool(getattr(self, "seen", False))
+
+
+def test_cancel_reaches_an_async_method_at_its_await(world: asyncrpc.Context) -> None:
+    blocked = asyncrpc.spawn("worker1", Blocked)
+    fut = blocked.call_async("until_cancelled")
+    time.sleep(0.3)
+    assert fut.cancel() is True
+    with pytest.raises(asyncrpc.CancelledError):
+        fut.wait()  # at once; the cancel reaches the owner through the store meanwhile
+    assert until(lambda: blocked.call("seen_cancel")) is True
+
+
+def test_actor_options_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"max_concurrency .* got 0"):
+        asyncrpc.actor(max_concurrency=0)
+    with pytest.raises(TypeError, match=r"concurrency_groups maps names"):
+        asyncrpc.actor(concurrency_groups=["io"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_restarts .* got -2"):
+        asyncrpc.actor(max_restarts=-2)
+    with pytest.raises(TypeError, match=r"retry_exceptions must be .* got str"):
+        asyncrpc.method(retry_exceptions="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"decorates a class, got function"):
+        asyncrpc.actor()(test_actor_options_are_checked)
+
+    class Undeclared:
+        @asyncrpc.method(concurrency_group="io")
+        def fetch(self) -> None: ...
+
+    with pytest.raises(ValueError, match=r"Undeclared.fetch is in concurrency group 'io'"):
+        asyncrpc.actor()(Undeclared)
+
+
+# ---- the rules, for random mixes ------------------------------------------------------------
+
+
+class Probe:
+    """Records, per group, how many calls ran at once and the order calls started in."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active: dict[str, int] = {}
+        self.most: dict[str, int] = {}
+        self.started: dict[str, list[int]] = {}
+
+    def _enter(self, group: str, tag: int) -> None:
+        with self.lock:
+            self.active[group] = self.active.get(group, 0) + 1
+            self.most[group] = max(self.most.get(group, 0), self.active[group])
+            self.started.setdefault(group, []).append(tag)
+
+    def _leave(self, group: str) -> None:
+        with self.lock:
+            self.active[group] -= 1
+
+    def sync_a(self, tag: int, seconds: float) -> int:
+        self._enter("sync", tag)
+        time.sleep(seconds)
+        self._leave("sync")
+        return tag
+
+    async def async_a(self, tag: int, seconds: float) -> int:
+        self._enter("async", tag)
+        await asyncio.sleep(seconds)
+        self._leave("async")
+        return tag
+
+    @asyncrpc.method(concurrency_group="io")
+    def sync_io(self, tag: int, seconds: float) -> int:
+        self._enter("io", tag)
+        time.sleep(seconds)
+        self._leave("io")
+        return tag
+
+    @asyncrpc.method(concurrency_group="io")
+    async def async_io(self, tag: int, seconds: float) -> int:
+        self._enter("io", tag)
+        await asyncio.sleep(seconds)
+        self._leave("io")
+        return tag
+
+    def report(self) -> tuple[dict[str, int], dict[str, list[int]]]:
+        return self.most, self.started
+
+
+_METHODS = ("sync_a", "async_a", "sync_io", "async_io")
+_GROUP = {"sync_a": "sync", "async_a": "async", "sync_io": "io", "async_io": "io"}
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    max_concurrency=st.sampled_from([None, 1, 2, 3]),
+    io_limit=st.integers(1, 3),
+    calls=st.lists(
+        st.tuples(st.sampled_from(_METHODS), st.sampled_from([0.0, 0.002, 0.01])),
+        min_size=1,
+        max_size=24,
+    ),
+)
+def test_random_mixes_keep_the_limits_and_the_order(
+    world: asyncrpc.Context,
+    max_concurrency: int | None,
+    io_limit: int,
+    calls: list[tuple[str, float]],
+) -> None:
+    made = asyncrpc.actor(max_concurrency=max_concurrency, concurrency_groups={"io": io_limit})
+    probe = asyncrpc.spawn("worker1", made(Probe))
+    futs = [probe.call_async(name, tag, seconds) for tag, (name, seconds) in enumerate(calls)]
+    assert [f.wait() for f in futs] == list(range(len(calls)))
+    most, started = probe.call("report")
+    limits = {"sync": max_concurrency or 1, "async": max_concurrency or 1000, "io": io_limit}
+    for group, seen in most.items():
+        assert seen <= limits[group], (group, most, calls)
+    for group, tags in started.items():
+        sent = [tag for tag, (name, _) in enumerate(calls) if _GROUP[name] == group]
+        if limits[group] == 1:  # one at a time: in the order this thread sent them
+            assert tags == sent, (group, started, calls)
+        else:  # several at once take their places in that order, and start as threads go
+            assert sorted(tags) == sent, (group, started, calls)
