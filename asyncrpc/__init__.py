@@ -71,8 +71,9 @@ from ._core._world import (
 from ._ensemble import Ensemble
 from ._fanout._fanout import Fanout, fanout
 from ._fanout._tuner import FanoutPlan
-from ._handles import RemoteModule, RemoteObject, call_all, spawn
+from ._handles import RemoteModule, RemoteObject
 from ._launch._supervisor import run
+from ._spawn import call_all, spawn
 from ._trace._render import render_trace
 from ._trace._trace import Trace, trace
 from ._wait import wait

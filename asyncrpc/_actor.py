@@ -1,42 +1,35 @@
-"""Actor options, as Ray users write them, and the order a handle's calls keep.
+"""Actor options, as Ray users write them: `asyncrpc.actor` and `asyncrpc.method`.
 
 `@asyncrpc.actor(...)` sets how many calls of an object run at once and
 how often it is rebuilt; `@asyncrpc.method(...)` puts a method in a
 concurrency group and says when its calls are retried. The owner enforces
-the limits (`_core._mailbox`); the caller numbers its calls: every copy of
-one handle on one worker shares a `CallOrder`, which numbers the calls
-in the order they are sent (under its lock, so a number is used only if
-its call left)::
+the limits (`_core._mailbox`), the caller numbers its calls and rebuilds
+(`_family`), and retries them (`_retry`)::
 
     @asyncrpc.actor(max_concurrency=2, concurrency_groups={"io": 4})
     class Server: ...                        (a subclass carrying the options)
-    h = asyncrpc.spawn("w1", Server)         h's CallOrder: stream id, next number
+    h = asyncrpc.spawn("w1", Server)         the handle carries the options
     h.call_async("get", k)  ── (stream, 0, options) ──> Server's mailbox on w1
     h.call_async("get", k)  ── (stream, 1, options) ──>   starts no earlier than call 0
 """
 
 from __future__ import annotations
 
-import contextlib
-import secrets
 import sys
-import threading
-import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, TypeVar
 
-from ._core import _runtime
 from ._core._mailbox import METHOD_OPTIONS, Options, method_group
 
 __all__ = (
     "ActorOptions",
-    "CallOrder",
     "MethodOptions",
     "actor",
     "actor_options",
+    "check_retries",
+    "check_retryable",
     "method",
     "method_options",
-    "order_for",
     "sendable_class",
 )
 
@@ -137,7 +130,7 @@ def method(
             async def fetch(self, url): ...
     """
     options = MethodOptions(
-        _group_name(concurrency_group), _retries("max_retries", max_retries),
+        _group_name(concurrency_group), check_retries("max_retries", max_retries),
         check_retryable(retry_exceptions),
     )  # fmt: skip
 
@@ -193,10 +186,10 @@ def _limit(name: str, value: object) -> int | None:
 
 
 def _restarts(value: object) -> int:
-    return _retries("max_restarts", value)
+    return check_retries("max_restarts", value)
 
 
-def _retries(name: str, value: object) -> int:
+def check_retries(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < -1:
         raise ValueError(f"{name} must be a whole number >= 0, or -1 for no limit; got {value!r}")
     return value
@@ -249,46 +242,3 @@ def _check_groups(cls: type, options: ActorOptions) -> None:
                 f"@asyncrpc.actor does not declare (it has {sorted(declared)}); add "
                 f"concurrency_groups={{{group!r}: N}}"
             )
-
-
-# ---- the order of a handle's calls --------------------------------------------------------
-
-
-class CallOrder:
-    """The numbering of one handle's calls on this worker (shared by its copies)."""
-
-    __slots__ = ("__weakref__", "lock", "next", "stream")
-
-    def __init__(self, stream: int) -> None:
-        self.stream = stream
-        self.next = 0
-        self.lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def sending(self, ticket: list[Any]) -> Iterator[None]:
-        """Number `ticket` and hold the order while its call is sent; a failed send
-        gives its number back."""
-        with self.lock:
-            ticket[1] = self.next
-            yield
-            self.next += 1
-
-
-class CallOrders:
-    """This world's call orders of handles that came from other workers (a `_runtime` part)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.orders: weakref.WeakValueDictionary[int, CallOrder] = weakref.WeakValueDictionary()
-
-
-def order_for(stream: int | None = None) -> CallOrder:
-    """A new handle's order (None), or this worker's for a handle that came as `stream`."""
-    if stream is None:
-        return CallOrder(secrets.randbits(62) | 1)
-    orders = _runtime.part(CallOrders)
-    with orders.lock:
-        found = orders.orders.get(stream)
-        if found is None:  # a stream of its own: the owner orders each worker's calls apart
-            found = orders.orders[stream] = CallOrder(secrets.randbits(62) | 1)
-        return found

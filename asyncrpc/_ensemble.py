@@ -32,7 +32,8 @@ from ._core._execution import async_execution
 from ._core._mailbox import ASYNC_LIMIT
 from ._fanout._fanout import Fanout
 from ._fanout._tuner import Engine
-from ._handles import RemoteObject, spawn
+from ._handles import RemoteObject
+from ._spawn import spawn
 
 Combine = str | Callable[[list[Any]], Any]
 _MODES = ("sum", "mean", "stack")

@@ -25,21 +25,30 @@ call on the handle raises that error.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from collections.abc import Callable
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from ._actor import actor_options, order_for, sendable_class
-from ._core import _calls, _hooks, _torch
-from ._core._errors import WorkerUnreachableError
-from ._core._futures import gather
+from ._actor import (
+    Retryable,
+    actor_options,
+    check_retries,
+    check_retryable,
+    method_options,
+)
+from ._core import _calls, _hooks, _torch, _world
+from ._core._errors import ObjectLostError, WorkerLeftError, WorkerUnreachableError
+from ._core._failures import hold
+from ._core._futures import new_future
 from ._core._mailbox import invoke, no_method
 from ._core._stream import DEFAULT_WINDOW, Stream, check_window
+from ._family import Family, family_for
+from ._retry import await_notice, call_async_retrying, call_retrying
 
-__all__ = ("RemoteModule", "RemoteObject", "call_all", "spawn")
+__all__ = ("RemoteModule", "RemoteObject", "type_of")
 
 T = TypeVar("T")
 M = TypeVar("M", bound=torch.nn.Module)
@@ -67,12 +76,9 @@ def _parameter_rrefs(rref: rpc.RRef[torch.nn.Module]) -> list[rpc.RRef[torch.Ten
     return [rpc.RRef(p) for p in rref.local_value().parameters()]
 
 
-def _type_of(rref: rpc.RRef[Any]) -> type:
+def type_of(rref: rpc.RRef[Any]) -> type:
+    """On the owner: the class of the object `rref` holds."""
     return type(rref.local_value())
-
-
-def _construct(cls: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
-    return cls(*args, **kwargs)
 
 
 # ---- caller side ---------------------------------------------------------------------
@@ -108,20 +114,28 @@ class RemoteObject(Generic[T]):
                 f"{type(self).__name__} wraps an RRef, got {type(rref).__name__} {rref!r:.60}; "
                 f"to build an object on a worker use asyncrpc.spawn(to, cls, *args)"
             )
-        self.rref = rref
         self.cls = cls
         self._timeout = _calls.check_timeout("timeout", timeout)
         self._window = check_window(window)
-        self._order = order_for()  # every copy of this handle here numbers its calls in it
+        self._family = family_for(rref)  # every copy of this handle here shares it
         self._mailbox = actor_options(cls).for_mailbox()
+        self._retries: tuple[int | None, Retryable | None] = (None, None)  # None: the method's
+
+    @property
+    def rref(self) -> rpc.RRef[T]:
+        """The RRef of the object now (a new one once a restart rebuilt it)."""
+        return self._family.rref  # type: ignore[no-any-return]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(vars(self))
-        state["_order"] = self._order.stream  # a copy elsewhere keeps an order of its own
+        family = state.pop("_family")
+        # A copy elsewhere keeps its own order, and asks the creator after a restart.
+        state["_origin"] = family.origin or (_my_name(), family.key)
+        state["_rref"] = family.rref
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state["_order"] = order_for(state["_order"])
+        state["_family"] = family_for(state.pop("_rref"), state.pop("_origin"))
         vars(self).update(state)
 
     @property
@@ -129,21 +143,42 @@ class RemoteObject(Generic[T]):
         """Name of the worker that holds the object.
 
         In a world that heals, `ObjectLostError` once that worker's process
-        died (its replacement does not have the object).
+        died (its replacement does not have the object), unless the object
+        restarts (`asyncrpc.actor(max_restarts=N)`): then it is rebuilt there.
         """
-        return _hooks.owner_of(self.rref, f"the {self._what()} of this handle")
+        return self._target()[1]
+
+    def _target(self) -> tuple[Any, str]:
+        """(the object's RRef now, its owner's name), rebuilt first if it may restart."""
+        rref = self._family.rref
+        what = f"the {self._what()} of this handle"
+        if self._family.suspected is rref:  # a call to it met a death: wait for the news
+            await_notice(rref)
+        try:
+            return rref, _hooks.owner_of(rref, what)
+        except ObjectLostError as lost:
+            rref = self._family.revive(rref, lost)
+            return rref, _hooks.owner_of(rref, what)
 
     def options(
-        self, *, timeout: float | None = None, window: int | None = None
+        self,
+        *,
+        timeout: float | None = None,
+        window: int | None = None,
+        max_retries: int | None = None,
+        retry_exceptions: Retryable | None = None,
     ) -> RemoteObject[T]:
         """A handle to the same object whose calls use these options (others unchanged).
 
         `timeout` bounds each call (as torch's: -1 the world's default, 0 none);
-        `window` bounds the items in flight of the handle's streams.
+        `window` bounds the items in flight of the handle's streams;
+        `max_retries` and `retry_exceptions` replace the method's own
+        (`asyncrpc.method`) for `call` and `call_async` (see its docs).
 
         Example::
 
             counter.options(timeout=2.5).call("add", 1)
+            fetcher.options(max_retries=3, retry_exceptions=(IOError,)).call("get", url)
         """
         copy = type(self)(
             self.rref,
@@ -151,19 +186,61 @@ class RemoteObject(Generic[T]):
             timeout=self._timeout if timeout is None else timeout,
             window=self._window if window is None else window,
         )
-        copy._order = self._order  # the same handle: its calls keep one order
+        copy._family = self._family  # the same handle: one order, one object
+        copy._retries = self._retries
+        if max_retries is not None:
+            copy._retries = (check_retries("max_retries", max_retries), copy._retries[1])
+        if retry_exceptions is not None:
+            copy._retries = (copy._retries[0], check_retryable(retry_exceptions))
         return copy
 
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
-        """Run `obj.method(*args, **kwargs)` on the owner and return the result."""
-        call, ticket = self._call(method, args, kwargs)
-        return _calls.call_sync(call, sending=self._order.sending(ticket))
+        """Run `obj.method(*args, **kwargs)` on the owner and return the result.
+
+        Retried as its method (`asyncrpc.method`) or `options` say.
+        """
+        left, retry_on = self._retry_options(method)
+        if left == 0:
+            return self._call_once(method, args, kwargs)
+        once = functools.partial(self._call_once, method, args, kwargs)
+        return call_retrying(once, lambda: self._family.rref, left, retry_on)
 
     def call_async(self, method: str, /, *args: Any, **kwargs: Any) -> Future[Any]:
-        """Start `obj.method(*args, **kwargs)` on the owner; a Future of the result."""
+        """Start `obj.method(*args, **kwargs)` on the owner; a Future of the result.
+
+        Retried as its method (`asyncrpc.method`) or `options` say.
+        """
+        left, retry_on = self._retry_options(method)
+        if left == 0:
+            return self._send_once(method, args, kwargs)
+        once = functools.partial(self._send_once, method, args, kwargs)
+        return call_async_retrying(once, lambda: self._family.rref, left, retry_on)
+
+    def _call_once(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call, ticket = self._call(method, args, kwargs)
-        with self._order.sending(ticket):
-            return _calls.send(call)
+        try:
+            return _calls.call_sync(call, sending=self._family.sending(ticket))
+        except WorkerUnreachableError:
+            self._family.suspect(call.args[0])  # type: ignore[index]
+            raise
+
+    def _send_once(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Future[Any]:
+        call, ticket = self._call(method, args, kwargs)
+        with self._family.sending(ticket):
+            fut = _calls.send(call)
+        if self._family.restarts_here():  # a death it meets: the next call waits for the heal
+            return _noting_death(fut, self._family, call.args[0])  # type: ignore[index]
+        return fut
+
+    def _retry_options(self, method: str) -> tuple[int, Retryable]:
+        own = method_options(self.cls, method) if isinstance(method, str) else None
+        left, retry_on = self._retries
+        return (
+            left if left is not None else (own.max_retries if own else 0),
+            retry_on if retry_on is not None else (own.retry_exceptions if own else False),
+        )
 
     def call_remote(self, method: str, /, *args: Any, **kwargs: Any) -> rpc.RRef[Any]:
         """Run `obj.method(*args, **kwargs)` on the owner, keep the result there; an RRef.
@@ -172,7 +249,7 @@ class RemoteObject(Generic[T]):
         owner; bound the wait for the value with `rref.to_here(timeout)`.
         """
         call, ticket = self._call(method, args, kwargs)
-        with self._order.sending(ticket):
+        with self._family.sending(ticket):
             return _calls.send_remote(call)
 
     def stream(self, method: str, /, *args: Any, **kwargs: Any) -> Stream[Any]:
@@ -218,16 +295,26 @@ class RemoteObject(Generic[T]):
         self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[_calls.Call, list[Any]]:
         """One method call, checked, through the owner's mailbox; its ticket is numbered
-        as it is sent (`CallOrder.sending`)."""
+        as it is sent (`Family.sending`)."""
         self._check_method(method)
-        ticket: list[Any] = [self._order.stream, -1, self._mailbox]
+        ticket: list[Any] = [0, -1, self._mailbox]  # stream and number: as it is sent
         label = f"{self.cls.__qualname__ if self.cls else 'object'}.{method}()"
-        call = _calls.check("call", self.owner, invoke, (self.rref, method, args, kwargs, ticket),
-                            None, self._timeout, label)  # fmt: skip
+        rref, owner = self._target()
+        try:
+            call = _calls.check("call", owner, invoke, (rref, method, args, kwargs, ticket), None,
+                                self._timeout, label)  # fmt: skip
+        except WorkerUnreachableError as exc:  # its owner died, and is being replaced
+            if isinstance(exc, WorkerLeftError) or not self._family.may_restart():
+                raise
+            await_notice(rref)  # the death known here: the object is rebuilt next
+            rref, owner = self._target()
+            call = _calls.check("call", owner, invoke, (rref, method, args, kwargs, ticket), None,
+                                self._timeout, label)  # fmt: skip
         return call, ticket
 
     def _call_on_owner(self, func: Callable[..., Any], label: str) -> _calls.Call:
-        return _calls.check("call", self.owner, func, (self.rref,), None, self._timeout, label)
+        rref, owner = self._target()
+        return _calls.check("call", owner, func, (rref,), None, self._timeout, label)
 
     def _check_method(self, method: str) -> None:
         if not isinstance(method, str):
@@ -246,8 +333,8 @@ class RemoteObject(Generic[T]):
 
     def __repr__(self) -> str:
         what = self.cls.__qualname__ if self.cls is not None else "an object"
-        try:
-            where = repr(self.owner)
+        try:  # no restart for a repr
+            where = repr(_hooks.owner_of(self._family.rref, "the object"))
         except WorkerUnreachableError as lost:
             where = f"{lost.name!r}, whose process died (the object is lost)"
         return f"<{type(self).__name__} of {what} on {where}>"
@@ -265,6 +352,24 @@ class _Proxy:
         if name.startswith("__"):
             raise AttributeError(name)
         return functools.partial(self._run, name)
+
+
+def _noting_death(fut: Future[Any], family: Family, rref: Any) -> Future[Any]:
+    """`fut`'s outcome, given once a death it met is noted (so the next call waits for it)."""
+    out = new_future()
+    _torch.combine(out, [fut])  # cancelling `out` cancels the call
+
+    def settle(done: Future[Any]) -> None:
+        try:
+            out.set_result(done.wait())
+        except WorkerUnreachableError as exc:
+            family.suspect(rref)
+            out.set_result(hold(exc))
+        except BaseException as exc:
+            out.set_result(hold(exc))
+
+    fut.add_done_callback(settle)
+    return out
 
 
 def _local_value(rref: rpc.RRef[T]) -> T:
@@ -302,61 +407,6 @@ class RemoteModule(RemoteObject[M]):
         return list(_calls.call_sync(self._call_on_owner(_parameter_rrefs, "parameter_rrefs()")))
 
 
-@overload
-def spawn(
-    to: _calls.Target, cls: Callable[P, M], /, *args: P.args, **kwargs: P.kwargs
-) -> RemoteModule[M]: ...
-@overload
-def spawn(
-    to: _calls.Target, cls: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
-) -> RemoteObject[T]: ...
-def spawn(to: _calls.Target, cls: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """Build `cls(*args, **kwargs)` on worker `to`; a handle to the new object.
-
-    `cls` is a class or any factory (a function, `functools.partial`); an
-    `nn.Module` gives a `RemoteModule`. Every argument goes to `cls`: set call
-    options on the handle, `spawn(...).options(timeout=5)`.
-
-    Example::
-
-        net = asyncrpc.spawn("worker1", torch.nn.Linear, 4, 1)
-        print(net(torch.ones(2, 4)))
-    """
-    _calls.check("spawn", to, cls, None, None, None)
-    sent = sendable_class(cls)
-    rref = _calls.send_remote(_calls.check("spawn", to, _construct, (sent, args, kwargs), None,
-                                           None, cls))  # fmt: skip
-    made = _made_class(cls)
-    if made is None:  # a factory: ask the owner what it built (waits for it)
-        made = _calls.call_sync(_calls.check("spawn", to, _type_of, (rref,), None, None, cls))
-    is_module = made is not None and issubclass(made, torch.nn.Module)
-    return (RemoteModule if is_module else RemoteObject)(rref, made)
-
-
-def _made_class(factory: Callable[..., Any]) -> type | None:
-    """The class a factory builds, where it can be told without running it."""
-    while isinstance(factory, functools.partial):
-        factory = factory.func
-    return factory if isinstance(factory, type) else None
-
-
-def call_all(
-    handles: Iterable[RemoteObject[Any]], method: str, /, *args: Any, **kwargs: Any
-) -> Future[list[Any]]:
-    """Call `method` on every handle at once; a Future of the results, in order.
-
-    Fails as soon as one call fails.
-
-    Example::
-
-        shards = [asyncrpc.spawn(n, Shard, i) for i, n in enumerate(ctx.workers("ps"))]
-        sizes = asyncrpc.call_all(shards, "size").wait()
-    """
-    items: Sequence[RemoteObject[Any]] = list(handles)
-    for h in items:
-        if not isinstance(h, RemoteObject):
-            raise TypeError(
-                f"call_all expects handles from asyncrpc.spawn(to, cls, ...), got "
-                f"{type(h).__name__} {h!r:.60}"
-            )
-    return gather([h.call_async(method, *args, **kwargs) for h in items])
+def _my_name() -> str | None:
+    world = _world.running()
+    return None if world is None else world.context.name

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 
 import asyncrpc
 
-from conftest import until
+from conftest import PROGRAMS, run_program, until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -271,3 +271,103 @@ def test_random_mixes_keep_the_limits_and_the_order(
             assert tags == sent, (group, started, calls)
         else:  # several at once take their places in that order, and start as threads go
             assert sorted(tags) == sent, (group, started, calls)
+
+
+# ---- placement -------------------------------------------------------------------------------
+
+
+def test_spawn_without_a_worker_places_on_the_least_loaded(world: asyncrpc.Context) -> None:
+    from asyncrpc._placement import _load
+
+    kept = []
+    for _ in range(4):
+        loads = {n: asyncrpc.rpc_sync(n, _load)[0] for n in world.names}
+        kept.append(asyncrpc.spawn(None, Tally))
+        owner = kept[-1].owner
+        assert loads[owner] == min(loads.values()), (owner, loads)
+        assert asyncrpc.rpc_sync(owner, _load)[0] == loads[owner] + 1  # counted there
+    assert all(h.call("add", 0) == 1 for h in kept)
+    with pytest.raises(asyncrpc.UnknownWorkerError, match=r"no worker is named 'wrker1'"):
+        asyncrpc.spawn("wrker1", Tally)
+
+
+# ---- retries of exceptions the method raised -----------------------------------------------
+
+
+class Flaky:
+    """Fails its first `failures` calls of each method with the error named."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    @asyncrpc.method(max_retries=3, retry_exceptions=(ConnectionError,))
+    def fetch(self, failures: int, error: str = "ConnectionError") -> int:
+        self.attempts += 1
+        if self.attempts <= failures:
+            raise {"ConnectionError": ConnectionError, "KeyError": KeyError}[error](self.attempts)
+        return self.attempts
+
+    def plain(self, failures: int) -> int:
+        return self.fetch(failures)
+
+    def reset(self) -> None:
+        self.attempts = 0
+
+
+def test_a_method_is_retried_as_it_says(world: asyncrpc.Context) -> None:
+    flaky = asyncrpc.spawn("worker2", Flaky)
+    assert flaky.call("fetch", 2) == 3  # two failures, retried
+    flaky.call("reset")
+    assert flaky.call_async("fetch", 3).wait() == 4  # three retries: enough
+    flaky.call("reset")
+    with pytest.raises(ConnectionError, match="4"):
+        flaky.call("fetch", 9)  # 1 + 3 attempts, then the last error
+    flaky.call("reset")
+    with pytest.raises(KeyError):
+        flaky.call("fetch", 1, "KeyError")  # not a type it retries
+    assert flaky.call("fetch", 0) == 2  # the KeyError call ran once
+
+
+def test_options_override_the_methods_retries(world: asyncrpc.Context) -> None:
+    flaky = asyncrpc.spawn("worker1", Flaky)
+    with pytest.raises(ConnectionError):
+        flaky.options(max_retries=0).call("fetch", 1)  # no retry
+    flaky.call("reset")
+    assert flaky.options(retry_exceptions=True).call("fetch", 2) == 3  # any error: retried
+    flaky.call("reset")
+    with pytest.raises(ConnectionError):
+        flaky.options(retry_exceptions=True).call("plain", 1)  # keeps plain's 0 retries
+    flaky.call("reset")
+    assert flaky.options(max_retries=3, retry_exceptions=True).call("plain", 2) == 3
+    flaky.call("reset")
+    with pytest.raises(ConnectionError):
+        flaky.call("plain", 1)  # `plain` itself retries nothing
+    retrying = flaky.options(max_retries=-1, retry_exceptions=(ConnectionError,))
+    flaky.call("reset")
+    assert retrying.call_async("plain", 6).wait() == 7
+    with pytest.raises(ValueError, match=r"max_retries must be .* got -3"):
+        flaky.options(max_retries=-3)
+    with pytest.raises(TypeError, match=r"retry_exceptions must be"):
+        flaky.options(retry_exceptions=[1])  # type: ignore[list-item]
+
+
+# ---- restarts and retries across deaths, in a world that heals ------------------------------
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(200)
+def test_objects_restart_and_calls_retry_across_deaths() -> None:
+    result = run_program("python", str(PROGRAMS / "actor_restarts.py"), "12", timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for line in (
+        "rebuilt fresh: ok",
+        "on the replacement: ok",
+        "a copy elsewhere: ok",
+        "on_replaced fired: ok",
+        "past max_restarts: lost: ok",
+        "no max_restarts: lost: ok",
+        "retried on the replacement: ok",
+        "not retried where not asked: ok",
+        "hypothesis: 12 examples",
+    ):
+        assert line in result.stdout, result.stdout

@@ -23,8 +23,10 @@ PACKAGE = pathlib.Path(asyncrpc.__file__).parent
 # Lowest first. A unit is a module, or a package whose modules are listed in their order.
 LAYERS: list[list[str]] = [
     ["_core"],
-    ["_actor", "_wait"],
+    ["_actor", "_placement", "_wait"],
+    ["_family", "_retry"],
     ["_handles", "_batch", "_fanout", "_trace", "_launch", "_inspect"],
+    ["_spawn"],
     ["_actor_pool", "_ensemble"],
     ["__init__"],
 ]

@@ -36,6 +36,7 @@ import difflib
 import inspect
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torch.futures import Future
@@ -145,16 +146,20 @@ class Mailboxes:
             return box
 
     def run_later(self, job: _Job) -> None:
+        try:
+            self.submit(job.run)
+        except RuntimeError:  # the world has ended
+            job.finish(Failure(RuntimeError("the world ended before the call could start")))
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Run `fn()` on an `asyncrpc-actor` thread; RuntimeError once the world ended."""
         with self.lock:
             if self.executor is None:
                 self.executor = concurrent.futures.ThreadPoolExecutor(
                     _ACTOR_THREADS, thread_name_prefix="asyncrpc-actor"
                 )
             executor = self.executor
-        try:
-            executor.submit(job.run)
-        except RuntimeError:  # the world has ended
-            job.finish(Failure(RuntimeError("the world ended before the call could start")))
+        executor.submit(fn)
 
     def close(self) -> None:
         with self.lock:

@@ -1,0 +1,187 @@
+"""Retrying a handle's calls, as Ray's `max_task_retries` and `retry_exceptions` do.
+
+A call is sent again when it failed with an error its method (or the
+handle's `options`) says to retry, until `max_retries` more attempts (-1:
+no limit) have been made:
+
+- an exception the method raised: when `retry_exceptions` is True, or a
+  tuple the error is an instance of;
+- the death of its callee, in a world that heals: once the world knows of
+  the death, the next attempt rebuilds the object on the replacement
+  (`_family`; its `max_restarts` decides) and goes there. Such a call may
+  have run before it met the death: at least once, then, and only where asked.
+
+Never retried: a cancel, a timeout, an argument or reply that cannot be
+pickled, a worker that left. The caller sees the last attempt's error::
+
+    attempt ── fails ──> retryable, attempts left? ── no ──> the Future fails with it
+                              │ yes
+                              ├─ a death: wait until the world knows (an actor thread)
+                              └─ send again (a new number in the handle's order)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from torch.futures import Future
+
+from ._actor import Retryable
+from ._core import _cancel, _hooks, _polling, _runtime, _torch
+from ._core._errors import (
+    CancelledError,
+    ObjectLostError,
+    RemoteError,
+    WorkerLeftError,
+    WorkerUnreachableError,
+)
+from ._core._failures import hold
+from ._core._futures import new_future
+from ._core._mailbox import Mailboxes
+
+__all__ = ("call_async_retrying", "call_retrying")
+
+_NOTICE_S = 15.0  # how long a retry waits for the world to learn of its callee's death
+Attempt = Callable[[], Future[Any]]
+
+
+def is_death(error: BaseException) -> bool:
+    """The callee's process died (not a removal, not a cancel)."""
+    return isinstance(error, WorkerUnreachableError) and not isinstance(error, WorkerLeftError)
+
+
+def retryable(error: BaseException, retry_on: Retryable) -> bool:
+    """Whether a call that failed with `error` may be sent again (see the module doc)."""
+    if isinstance(error, CancelledError):
+        return False
+    if is_death(error):
+        return _runtime.running_world() is not None and _healing()
+    if not isinstance(error, RemoteError) or retry_on is False:
+        return False
+    return retry_on is True or isinstance(error, retry_on)
+
+
+def _healing() -> bool:
+    world = _runtime.running_world()
+    return getattr(world, "members", None) is not None
+
+
+def await_notice(rref: Any) -> None:
+    """Wait until this worker knows that `rref`'s owner died (the next attempt rebuilds)."""
+
+    def known() -> bool:
+        try:
+            _hooks.owner_of(rref, "the object")
+        except ObjectLostError:
+            return True
+        return False
+
+    _polling.within(known, _NOTICE_S)
+
+
+def call_retrying(attempt: Callable[[], Any], rref: Callable[[], Any], left: int,
+                  retry_on: Retryable) -> Any:  # fmt: skip
+    """Run `attempt()` until it returns, or fails past what may be retried."""
+    while True:
+        sent_to = rref()
+        try:
+            return attempt()
+        except Exception as error:
+            if left == 0 or not retryable(error, retry_on):
+                raise
+            left = left - 1 if left > 0 else left
+            if is_death(error):
+                await_notice(sent_to)
+
+
+def call_async_retrying(attempt: Attempt, rref: Callable[[], Any], left: int,
+                        retry_on: Retryable) -> Future[Any]:  # fmt: skip
+    """`attempt()`'s Future, sent again on failures that may be retried; one Future of it."""
+    retrying = _Retrying(attempt, rref, left, retry_on)
+    retrying.start()
+    return retrying.out
+
+
+class _Retrying:
+    """One call and its attempts; cancelling it cancels the attempt running and stops."""
+
+    __slots__ = (
+        "__weakref__",
+        "attempt",
+        "cancelled",
+        "current",
+        "left",
+        "lock",
+        "out",
+        "retry_on",
+        "rref",
+        "sent_to",
+        "settled",
+    )  # fmt: skip
+
+    def __init__(self, attempt: Attempt, rref: Callable[[], Any], left: int,
+                 retry_on: Retryable) -> None:  # fmt: skip
+        self.attempt, self.rref, self.left, self.retry_on = attempt, rref, left, retry_on
+        self.out = new_future()
+        self.lock = threading.Lock()
+        self.current: Future[Any] | None = None
+        self.sent_to: Any = None
+        self.cancelled = self.settled = False
+        _torch.set_canceller(self.out, self.cancel)
+
+    def start(self) -> None:
+        try:
+            self.sent_to = self.rref()
+            fut = self.attempt()
+        except Exception as error:
+            self._settle(hold(error))
+            return
+        with self.lock:
+            self.current = fut
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut: Future[Any]) -> None:
+        try:
+            self._settle(fut.wait())
+            return
+        except Exception as exc:
+            error = exc
+        with self.lock:
+            again = not self.cancelled and self.left != 0 and retryable(error, self.retry_on)
+            if again and self.left > 0:
+                self.left -= 1
+        if not again:
+            self._settle(hold(error))
+        elif is_death(error):  # waits: not on the thread that completed the Future
+            self._later(self._after_death)
+        else:
+            self.start()
+
+    def _after_death(self) -> None:
+        await_notice(self.sent_to)
+        self.start()
+
+    def _later(self, fn: Callable[[], None]) -> None:
+        try:
+            _runtime.part(Mailboxes).submit(fn)
+        except RuntimeError as exc:  # the world ended
+            self._settle(hold(exc))
+
+    def _settle(self, value: Any) -> None:
+        with self.lock:
+            if self.settled:
+                return
+            self.settled = True
+        self.out.set_result(value)
+
+    def cancel(self) -> bool:
+        with self.lock:
+            if self.settled:
+                return False
+            self.cancelled = True
+            current = self.current
+        if current is None or not _cancel.cancel(current):  # between two attempts
+            self._settle(hold(CancelledError("the call was cancelled between two attempts", "")))
+        return True
