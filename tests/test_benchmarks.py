@@ -131,6 +131,7 @@ FIGURES = {
     "ensemble": ["small: engine 'vmap' declined: member 0 holds an LSTM"],
     "scale": ["processes, 2 workers", "processes, 3 workers"],
     "peers": [
+        "100 async def calls in flight on one object",
         "restart after a kill, to first call",
         "cancel: to the callee's coroutine",
         "cancel: to the caller's Future failing",

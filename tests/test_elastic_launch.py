@@ -63,6 +63,17 @@ def test_an_elastic_launch_adds_and_removes_workers_in_new_interpreters() -> Non
     after_kill = result["after_kill"]
     assert isinstance(after_kill, list) and after_kill[0] == "WorkerLeftError", after_kill
     assert result["members_after_kill"] == ["worker0", "worker1", "worker2"]
+    # A first worker other than rank 0 that dies leaves too (no --max-restarts).
+    first = result["first_killed"]
+    assert isinstance(first, list) and first[:2] == ["Left", "worker1"], first
+    assert "ended unasked" in first[2] and "SIGKILL" in first[2], first
+    assert result["members_after_first"] == ["worker0", "worker2"]
+    assert "worker 'worker1' (rank 1, node" in proc.stderr and "it left the world" in proc.stderr
+    # Under a launcher each worker's run returns what its own main returned (worker3 was
+    # removed: its main returned; worker1 and worker4 were killed).
+    ran = sorted(line[len("RAN the result of ") :] for line in proc.stdout.splitlines()
+                 if line.startswith("RAN "))  # fmt: skip
+    assert ran == ["worker0", "worker2", "worker3"], proc.stdout[-2000:]
 
 
 def test_join_refuses_a_world_launched_without_elastic() -> None:

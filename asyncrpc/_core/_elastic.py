@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
+
+from torch.futures import Future
 
 from . import _environ, _membership, _polling, _records, _world
 from ._errors import (
@@ -162,37 +164,71 @@ def add_workers(
     return names
 
 
-def remove_workers(*names: str, timeout: float | None = None) -> None:
+@overload
+def remove_workers(
+    *names: str, timeout: float | None = None, wait: Literal[True] = True
+) -> None: ...
+
+
+@overload
+def remove_workers(
+    *names: str, timeout: float | None = None, wait: Literal[False]
+) -> Future[tuple[str, ...]]: ...
+
+
+def remove_workers(
+    *names: str, timeout: float | None = None, wait: bool = True
+) -> Future[tuple[str, ...]] | None:
     """Remove workers from this elastic world, gracefully; returns once they have left.
 
     New calls to them fail at once with `asyncrpc.WorkerLeftError`; calls they
-    are running finish and deliver their results. On each, `asyncrpc.stopping()`
-    turns True, and it leaves once its `main` returns, or is stopped past
-    `timeout` s (default: the world's `rpc_timeout`); handles to objects it
-    held then raise `ObjectLostError`. A worker may remove itself: then this
-    returns at once, and it leaves when its `main` returns.
+    are running finish and deliver their results (a call whose caller
+    cancelled it is not waited for). On each, `asyncrpc.stopping()` turns
+    True, and it leaves once its `main` returns, or is stopped past `timeout`
+    s (default: the world's `rpc_timeout`); handles to objects it held then
+    raise `ObjectLostError`. A worker may remove itself: then this returns at
+    once, and it leaves when its `main` returns.
 
-    Example::
+    With `wait=False` it returns as soon as the removal has begun (calls to
+    them fail from then on): a torch Future that completes with the names
+    once they have left, after this worker's `on_members` callbacks got their
+    `Left` (a worker removing itself is not waited for). It fails if this
+    worker's world ends first. Example::
 
         asyncrpc.remove_workers("actor2")
+        gone = asyncrpc.remove_workers("actor3", "actor4", wait=False)
+        ...  # go on; gone.wait() == ("actor3", "actor4") once both have left
     """
     world = _elastic_world("asyncrpc.remove_workers()")
     ctx = world.context
-    assert world.members is not None
-    live = world.members.live()  # a worker still joining is no member yet
+    members = world.members
+    assert members is not None
+    live = members.live()  # a worker still joining is no member yet
     for name in names:
         if not isinstance(name, str) or name not in live:
             raise UnknownWorkerError(
                 f"remove_workers: {name!r} is not a member of the world now; its members: "
                 f"{list(live)}"
             )
-    if not names:
-        return
+    if not isinstance(wait, bool):
+        raise TypeError(f"wait must be True or False, got {wait!r}")
+    asked = tuple(dict.fromkeys(names))
     seconds = _seconds(timeout, world, "rpc_timeout")
-    request = {"op": "remove", "names": list(dict.fromkeys(names)), "by": ctx.name}
-    _ask(world, {**request, "timeout": seconds}, seconds + _STOPPED_S)
-    others = [f"left/{n}" for n in names if n != ctx.name]
-    _wait_keys(world, others, seconds + _STOPPED_S)
+    if asked:
+        request = {"op": "remove", "names": list(asked), "by": ctx.name}
+        _ask(world, {**request, "timeout": seconds}, seconds + _STOPPED_S)
+    others = tuple(name for name in asked if name != ctx.name)
+    if not wait:
+        return members.wait_left(others) if others else _done(asked)
+    if others:
+        _wait_keys(world, [f"left/{n}" for n in others], seconds + _STOPPED_S)
+    return None
+
+
+def _done(names: tuple[str, ...]) -> Future[tuple[str, ...]]:
+    fut: Future[tuple[str, ...]] = Future()
+    fut.set_result(names)
+    return fut
 
 
 def _elastic_world(what: str) -> _world.World:

@@ -24,11 +24,12 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch.distributed.rpc as rpc
 
-from . import _membership, _polling, _records, _runtime, _torch
+from . import _cancel, _membership, _polling, _records, _runtime, _torch
 from ._context import Context, Settings
 from ._errors import JOIN_REFUSED_EXIT, LISTENER_CLOSED_EXIT
 from ._membership import Joining, Members
@@ -66,6 +67,9 @@ class _World(Protocol):
     @property
     def stopping(self) -> threading.Event: ...
 
+    # Embedded: ends this process at once (its supervisor hears it left); else None.
+    end_process: Callable[[], None] | None
+
 
 def join(world: _World, joining: Joining) -> None:
     """After torch's join: publish this member, meet the others (or welcome them)."""
@@ -79,6 +83,7 @@ def join(world: _World, joining: Joining) -> None:
     members = _records.read_members(space, ctx.names, joining.size or ctx.world_size)
     if joining.replacement:  # another member may be being replaced as this one joins
         members.missed(_torch.known_ids())
+    members.here(ctx.name)
     world.members = members
     world.stack.callback(members.stop)
     world.members_known.set()
@@ -197,11 +202,8 @@ def _leaving(world: _World, name: str, why: str) -> None:
 def _departed(world: _World, name: str, torch_id: int, why: str) -> None:
     """`name`'s process has left the world: its objects are lost, its pipe closed."""
     assert world.members is not None
-    event = world.members.departed(name, torch_id, why)
-    if event is None:
-        return
-    _let_go(world.members, name, torch_id)
-    world.members.announce(event)
+    if world.members.departed(name, torch_id, why) is not None:  # its Left is out
+        _let_go(world.members, name, torch_id)
 
 
 def _let_go(members: _membership.Members, name: str, torch_id: int) -> None:
@@ -218,9 +220,15 @@ def _let_go(members: _membership.Members, name: str, torch_id: int) -> None:
 def _finish(members: _membership.Members, timeout: float) -> None:
     """A removed worker: wait until it runs no call and no stream for a peer any more.
 
-    Unbounded without `timeout`: its supervisor stops it at the removal's.
+    A call its caller cancelled does not count: nobody waits for its result
+    (a sync function may run on; it ends with the process). Unbounded
+    without `timeout`: its supervisor stops it at the removal's.
     """
-    _polling.within(lambda: not (_torch.serving() or members.busy()), timeout or None)
+
+    def done() -> bool:
+        return _torch.serving() <= _cancel.cancelled_running() and not members.busy()
+
+    _polling.within(done, timeout or None)
 
 
 def leave(world: _World, graceful: bool, timeout: float) -> None:
@@ -258,6 +266,10 @@ def leave(world: _World, graceful: bool, timeout: float) -> None:
         _finish(members, timeout)
     if graceful and (leaving or not healed):
         _torch.stop_serving(timeout)
+    if graceful and leaving and world.end_process is not None and _cancel.cancelled_running():
+        # torch's agent would wait for the calls their callers cancelled (a sync
+        # function runs on): nobody waits for them, so the process ends now.
+        world.end_process()
     if graceful and not world.stopping.is_set():
         _records.meet_to_stop(space, len(_records.live_names(space)), timeout)
     rpc.shutdown(graceful=False)

@@ -224,6 +224,7 @@ class Mailbox:
                 waiting = group.waiting.popleft()
                 if not waiting.ended:
                     group.running += 1
+                    waiting.placed = True
                     start.append(waiting)
         for ready in start:
             self._start(ready, here=False)
@@ -253,6 +254,7 @@ class Mailbox:
             return False  # cancelled while it waited for its turn
         if group.running < group.limit:
             group.running += 1
+            job.placed = True
             return True
         group.waiting.append(job)
         return False
@@ -290,7 +292,7 @@ class _Job:
     """One method call in a mailbox: waits for its turn, runs, replies through `out`."""
 
     __slots__ = ("args", "box", "ended", "group", "inner", "is_async", "kwargs", "name", "obj",
-                 "out", "started", "state")  # fmt: skip
+                 "out", "placed", "started", "state")  # fmt: skip
 
     def __init__(self, box: Mailbox, obj: object, name: str, args: Any, kwargs: Any) -> None:
         self.box, self.obj, self.name = box, obj, name
@@ -298,7 +300,7 @@ class _Job:
         self.out = new_future()
         self.state: _cancel.Running | None = None
         self.group = ("", False)
-        self.is_async = self.started = self.ended = False
+        self.is_async = self.placed = self.started = self.ended = False
         self.inner: Any = None  # the Future an async method's call waits for
 
     @property
@@ -351,13 +353,13 @@ class _Job:
             if self.ended:
                 return
             self.ended = True
-            started = self.started
+            placed = self.placed
         state = self.state
         if state is not None:
             if state.cancelled and not _is_cancelled(value):
                 value = Failure(cancelled_error(self.label))
             _cancel.end(state)
-        if started:
+        if placed:  # its place in its group goes to the next
             self.box.done(self)
         self.out.set_result(check_sendable(value, self.label))
         self.obj = self.args = self.kwargs = self.inner = None  # nothing kept once replied

@@ -36,12 +36,15 @@ or RRef to anyone. `Members` is the world's record of this;
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
+from torch.futures import Future
+
 from . import _events, _torch
-from ._errors import ObjectLostError, WorkerLeftError, WorkerUnreachableError
+from ._errors import AsyncRPCError, ObjectLostError, WorkerLeftError, WorkerUnreachableError
 from ._torch import PrefixStore
 
 if TYPE_CHECKING:
@@ -166,7 +169,11 @@ class Joined(NamedTuple):
 
 
 class Left(NamedTuple):
-    """A worker left this elastic world: its `name`, `rank` and `reason` ("removed by w0")."""
+    """A worker left this elastic world: its `name`, `rank` and `reason`.
+
+    `reason`: "removed by worker0", or how a worker that died ended, as its
+    supervisor saw it ("it ended unasked (was killed by SIGKILL)").
+    """
 
     name: str
     rank: int
@@ -198,7 +205,11 @@ class Members:
         self.replacing: dict[str, str] = {}  # name -> why it is being replaced
         self.lost: dict[int, str] = {}  # torch id of a dead process -> its name
         self.callbacks: list[Callable[[Replaced], object]] = []
+        self.replaced_failures = _events.CallbackFailures("on_replaced")
+        self.me = ""  # this worker's name (`here`)
         self.events = _events.Events()  # `asyncrpc.on_members`: in the order learnt here
+        # `remove_workers(..., wait=False)`: the names still to leave, all asked, its Future.
+        self._waits: list[tuple[set[str], tuple[str, ...], Future[tuple[str, ...]]]] = []
         # Run with a dead process's torch id once it is known dead (what this worker
         # serves for it: a stream's producer, say).
         self.gone_hooks: list[Callable[[int], None]] = []
@@ -356,18 +367,48 @@ class Members:
             return True
 
     def departed(self, name: str, torch_id: int, why: str) -> Left | None:
-        """`name`'s process (torch id) has left: its objects are lost; the event, once."""
+        """`name`'s process (torch id) has left: its objects are lost; the event, once.
+
+        The removals waiting for it (`wait_left`) complete once every worker
+        they asked for has left, after this `Left` went to the callbacks.
+        """
         with self.lock:
             if name not in self.ranks or torch_id in self.lost:
                 return None
             self.lost[torch_id] = name
             self.left.setdefault(name, why)
-            return Left(name, self.ranks[name], self.left[name])
+            done = []
+            for pending, names, fut in self._waits:
+                pending.discard(name)
+                if not pending:
+                    done.append((names, fut))
+            self._waits = [wait for wait in self._waits if wait[0]]
+            event = Left(name, self.ranks[name], self.left[name])
+        self.events.put(event)  # the callbacks hear the event first, then the Futures complete
+        for names, fut in done:
+            self.events.call(functools.partial(fut.set_result, names))
+        return event
 
-    def announce(self, event: Replaced | Joined | Left) -> None:
+    def has_left(self, name: str) -> bool:
+        """Whether `name` has left the world (not only: is leaving)."""
+        return name in self.left and self.ids.get(name) in self.lost
+
+    def wait_left(self, names: tuple[str, ...]) -> Future[tuple[str, ...]]:
+        """A Future that completes with `names` once each has left (on `events`' thread)."""
+        fut: Future[tuple[str, ...]] = Future()
+        with self.lock:
+            pending = {name for name in names if not self.has_left(name)}
+            if pending:
+                self._waits.append((pending, names, fut))
+        if not pending:
+            fut.set_result(names)
+        return fut
+
+    def announce(self, event: Replaced | Joined) -> None:
         """Run the `on_replaced` callbacks for `event` on a thread of their own.
 
-        Every event also goes to the `on_members` callbacks (`_events`).
+        Every event also goes to the `on_members` callbacks (`_events`); a
+        `Left` goes there from `departed`.
         """
         self.events.put(event)
         if not isinstance(event, Replaced):
@@ -376,15 +417,34 @@ class Members:
         if not callbacks:
             return
         thread = threading.Thread(
-            target=_run_callbacks, args=(callbacks, event), name="asyncrpc-on-replaced",
-            daemon=True,
+            target=_run_callbacks, args=(callbacks, event, self.replaced_failures),
+            name="asyncrpc-on-replaced", daemon=True,
         )  # fmt: skip
         with self.lock:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
+    def here(self, name: str) -> None:
+        """This worker is `name`: its callbacks' failures say where they ran."""
+        self.me = name
+        self.events.failures.worker = self.replaced_failures.worker = name
+
     def stop(self) -> None:
-        """Wait (bounded) for callbacks still running; the world is ending."""
+        """Wait (bounded) for callbacks still running; the world is ending.
+
+        A removal still waiting (`wait_left`) fails: this worker no longer hears.
+        """
+        with self.lock:
+            waits, self._waits = self._waits, []
+        for pending, names, fut in waits:
+            error = AsyncRPCError(
+                f"remove_workers({', '.join(map(repr, names))}, wait=False): the world of "
+                f"worker {self.me!r} ended before {sorted(pending)} had left, so it hears of "
+                f"no departure any more: wait for the Future before that worker's main returns"
+            )
+            fail = functools.partial(fut.set_exception, error)  # type: ignore[arg-type]  # torch's stub
+            if not self.events.call(fail):
+                fail()
         self.events.stop()
         with self.lock:
             threads, self._threads = self._threads, []
@@ -393,11 +453,10 @@ class Members:
                 thread.join(_CALLBACK_JOIN_S)
 
 
-def _run_callbacks(callbacks: list[Callable[[Replaced], object]], event: Replaced) -> None:
-    import traceback
-
+def _run_callbacks(
+    callbacks: list[Callable[[Replaced], object]],
+    event: Replaced,
+    failures: _events.CallbackFailures,
+) -> None:
     for callback in callbacks:
-        try:
-            callback(event)
-        except Exception:  # one callback's failure must not stop the others
-            traceback.print_exc()
+        failures.call(callback, event)  # type: ignore[arg-type]

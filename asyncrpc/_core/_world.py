@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import math
 import os
@@ -96,6 +97,9 @@ class World:
     stack: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
     # Where the world's state lives (`_runtime`): its parts end with it.
     runtime: _runtime.Runtime = dataclasses.field(default_factory=lambda: _runtime.SLOT.runtime)
+    # An embedded worker's: ends its process at once, its registration removed (a removed
+    # worker whose leave only calls its callers cancelled still hold; see `_healing.leave`).
+    end_process: Callable[[], None] | None = None
 
     def info(self, name: str) -> WorkerInfo:
         """torch's WorkerInfo of worker `name` (one of `context.names`).
@@ -263,6 +267,7 @@ def start(
     attempt: int | None = None,
     watch_peers: bool = False,
     joining: Joining | None = None,
+    end_process: Callable[[], None] | None = None,
 ) -> Context:
     """Start RPC with everything resolved; `init` and `run` both end here.
 
@@ -270,6 +275,8 @@ def start(
     a failure is recorded (`current_liveness().failure`), and a graceful
     shutdown raises it instead of waiting for a dead peer. `joining`: join a
     world that heals (`_membership`), as its supervisor or launcher says.
+    `end_process`: how an embedded worker ends its process at once (it must
+    not return), for a removed worker's leave that only cancelled calls hold.
 
     Everything the start sets up is undone by one stack (`World.stack`):
     a failure at any step unwinds what the steps before it did, and so does
@@ -300,6 +307,8 @@ def start(
             hang_after=settings.hang_report_after or _hang_after_from_env(),
             tag=joining.tag if joining is not None else str(attempt),
         )  # fmt: skip
+        if end_process is not None:
+            world.end_process = functools.partial(_end_process, world, end_process)
         try:
             _build(world, master_addr, watch_peers, joining)
         except BaseException:
@@ -387,6 +396,12 @@ def _stop_agent() -> None:
     """Stop torch's agent if it still runs (a start that failed after starting it)."""
     if _torch.agent_running():
         rpc.shutdown(graceful=False)
+
+
+def _end_process(world: World, end: Callable[[], None]) -> None:
+    """End this process now (`end`), its registration for asyncrpc-dump/top removed first."""
+    _unregister(world)
+    end()
 
 
 def _unregister(world: World) -> None:

@@ -8,7 +8,8 @@ runs `main` and sends its traceback back on failure::
     supervisor: pickled_main(main, args), caller_output() ──spec──> forkserver
     forkserver ── fork ──> worker(payload, spec, errors):
         die with the parent; take the caller's environment and output;
-        load main ─> _world.start ─> main(ctx, *args) ─> _world.shutdown
+        load main ─> _world.start ─> main(ctx, *args) ─> rank 0: its result, pickled,
+        into the world's store (`RESULT_KEY`: `asyncrpc.run` returns it) ─> _world.shutdown
         ─> RETURNED ──errors pipe──> supervisor (an exit 0 without it: a death)
         on failure: traceback ──errors pipe──> supervisor; exit 1 (77: a replacement's
         join another member refused, `_core._healing.start_failed_exit`)
@@ -16,6 +17,7 @@ runs `main` and sends its traceback back on failure::
 
 from __future__ import annotations
 
+import functools
 import io
 import multiprocessing.connection
 import os
@@ -34,6 +36,7 @@ from . import _parent
 
 __all__ = (
     "KILL_AFTER_S",
+    "RESULT_KEY",
     "RETURNED",
     "caller_output",
     "close_outputs",
@@ -46,6 +49,9 @@ KILL_AFTER_S = 2.0  # from SIGTERM to SIGKILL: the supervisor's stop, and a work
 # Sent on the errors pipe once `main` returned and the world was left: the supervisor
 # tells a worker that ended its run from one that exited 0 while its world still ran.
 RETURNED = "asyncrpc: main returned, the world was left"
+# Where rank 0 leaves what its main returned, in the world's store (hosted by the
+# supervisor): b"P" and the value pickled, or b"E" and why it could not be pickled.
+RESULT_KEY = "asyncrpc/main-result"
 
 
 def caller_output() -> tuple[Connection | None, ...]:
@@ -179,10 +185,13 @@ def worker(
             hosts_store=False,
             attempt=attempt,
             joining=joining,
+            end_process=functools.partial(_end_now, errors),
         )
         started = True
         try:
-            main(ctx, *args)
+            result = main(ctx, *args)
+            if ctx.rank == 0:
+                _keep_result(result, ctx.name)
         except BaseException:
             _world.shutdown(graceful=False)
             raise
@@ -195,6 +204,34 @@ def worker(
         sys.stderr.flush()
         # A failed agent can leave threads that block a normal interpreter exit.
         os._exit(1 if started else _healing.start_failed_exit(joining, text))
+
+
+def _keep_result(result: object, name: str) -> None:
+    """Rank 0's `main` returned `result`: leave it for the supervisor (`asyncrpc.run`)."""
+    try:
+        kept = b"P" + pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        kind = f"{type(result).__module__}.{type(result).__qualname__}"
+        why = (
+            f"asyncrpc.run returns what rank 0's main returned, but {name}'s main returned a "
+            f"{kind}, which cannot be pickled to cross to the process that called run "
+            f"({type(exc).__name__}: {exc}); return plain data or tensors from main (or save "
+            f"the object there and return where it is)"
+        )
+        kept = b"E" + why.encode()
+    _world.current_store().set(RESULT_KEY, kept)  # type: ignore[arg-type]  # bytes: torch takes them
+
+
+def _end_now(errors: multiprocessing.connection.Connection) -> None:
+    """End this worker at once, as if it had left the world (`_world.start`'s `end_process`).
+
+    A removed worker whose leave only calls their callers cancelled still
+    hold: torch's agent would wait for them (a sync function runs on).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    errors.send(RETURNED)
+    os._exit(0)
 
 
 def spare(

@@ -7,7 +7,8 @@ the heal algorithm (`_replacing.Replacer`, the one a launcher uses too)::
     HealingWorld.supervise(grace):
       wait on every running worker's sentinel and the requests' pipe (`_changes`)
       a worker ended ─> Replacer.ended(Ended(rank, exit code, how, traceback)):
-        DONE / LEFT: let it go          HEALED: its replacement runs (or soon: start_due)
+        DONE / LEFT: let it go (elastic=True alone: a death but rank 0's is a LEFT too)
+        HEALED: its replacement runs (or soon: start_due)
         UNFORMED: raise Unformed        FAILED: the others get `grace`, then are stopped
       every turn: start_due, serve the members' adds and removes, refill the spare
 
@@ -18,11 +19,12 @@ and its healer (`_healer.Healer`, over the world's store).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
 from .._core._errors import WorkerFailedError, describe_exit
-from .._core._membership import Joining
+from .._core._membership import Joining, torch_name
 from . import _local
 from ._changes import Changes
 from ._healer import Healer
@@ -68,6 +70,11 @@ class HealingWorld:
         self.changes: Changes | None = None
         self.elastic = elastic
         self.max_world_size = max_world_size
+        # torch's names of the processes that ended or are leaving, and whether the world
+        # ends: torch's warnings about them are dropped from the workers' stderr (`_quiet`).
+        self.gone: set[str] = set()
+        self.ending = False
+        world.quiet(lambda name: self.ending or name in self.gone)
 
     def start_all(self) -> None:
         """Start the world's first workers; then watch the members' requests."""
@@ -99,6 +106,20 @@ class HealingWorld:
 
     def formed_healer(self) -> Healer | None:
         return self.healer if self.healer.formed() else None
+
+    def grows(self) -> bool:
+        return self.changes is not None
+
+    def lost(self, end: Ended) -> None:
+        assert self.changes is not None
+        print(
+            f"asyncrpc: {end.summary}; it left the world, which goes on without it (an "
+            f"elastic world replaces no worker: pass restart='worker' and max_restarts=K "
+            f"to replace dead workers in place)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.changes.lost(end.name, end.how)
 
     def start(self, rank: int, joining: Joining, attempt: int) -> None:
         proc = self.world.spawn(rank, attempt, joining)
@@ -139,12 +160,19 @@ class HealingWorld:
         """Serve the members' requests; kill the removed workers whose time is up; a spare."""
         assert self.changes is not None
         self.changes.serve()
+        for name in self.changes.removing:  # leaving: torch's warnings about it are noise
+            self._gone(name)
         if self.spares is not None:
             self.spares.refill()
         for name in self.changes.due():
             proc = self.world.procs[self.healer.names.index(name)]
             if _local.runs(proc):
                 proc.kill()
+
+    def _gone(self, name: str) -> None:
+        """`name`'s process (as torch knows it) has ended or is leaving (`_quiet`)."""
+        healer = self.healer
+        self.gone.add(torch_name(name, healer.ids[name], healer.size))
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -170,6 +198,7 @@ class HealingWorld:
                 self._serve()
             if failures and deadline is None:
                 deadline = time.monotonic() + grace
+                self.ending = True  # the failure is reported: torch's words on it are noise
             if deadline is not None and time.monotonic() >= deadline and self.running:
                 _local.stop([self.world.procs[r] for r in self.running.values()])
                 self.running.clear()
@@ -177,6 +206,7 @@ class HealingWorld:
 
     def _ended(self, rank: int, failing: bool) -> WorkerFailedError | None:
         """Worker `rank`'s process ended: None, or the failure it is (`failing`: the world's)."""
+        self._gone(self.healer.names[rank])
         failure = self.world.failure(rank)
         if failure is None:  # main returned and it left: the world ends, or it was removed
             failure = WorkerFailedError(self.healer.names[rank], rank, 0)  # for its words
@@ -190,12 +220,19 @@ class HealingWorld:
             how = describe_exit(code)
         end = Ended(rank, failure.name, code, failure.summary(), how, failure.remote_traceback)
         verdict = self.replacer.ended(end)
+        self.ending = self.ending or verdict.exit is Exit.DONE
         if verdict.exit is Exit.UNFORMED:
             raise Unformed(failure)  # the supervisor stops every worker; `run` starts again
         if verdict.exit is not Exit.FAILED:
             return None
-        if verdict.reason == "spent":
-            healer = self.healer
+        healer = self.healer
+        if verdict.reason == "spent" and not healer.max_restarts:  # elastic: rank 0 died
+            failure.add_note(
+                "rank 0 runs the program's driver, so its end ends an elastic world (other "
+                "workers that die leave it); pass restart='worker' and max_restarts=K to "
+                "replace it in place"
+            )
+        elif verdict.reason == "spent":
             flag = f"max_restarts={healer.max_restarts}"
             note = spent(healer.max_restarts, healer.started_again, flag)
             failure.add_note(f"{note}; this failure ended it")

@@ -58,7 +58,8 @@ def run_launched(
     roles: Mapping[str, int] | None,
     settings: _context.Settings,
     restart: str | None = None,
-) -> None:
+) -> Any:
+    """Join the launcher's world, run `main` and leave; what this worker's `main` returned."""
     _check_restart(restart)
     _parent.watch_launcher()  # asyncrpc-launch's workers end with it, SIGKILL included
     joining = joining_from_env()
@@ -79,8 +80,7 @@ def run_launched(
             os._exit(code)
         raise
     if joining is not None:
-        _run_healing(main, ctx, args)
-        return
+        return _run_healing(main, ctx, args)
     # The world's liveness (keyed by attempt, as torchrun's agent keys its reports):
     # launched, a failure anywhere ends this worker too.
     live = _world.current_liveness()
@@ -89,7 +89,7 @@ def run_launched(
     if live.failure is not None:
         leave_world(live.failure)
     try:
-        main(ctx, *args)
+        result = main(ctx, *args)
     except KeyboardInterrupt:
         _interrupted()
     except BaseException as error:
@@ -102,15 +102,14 @@ def run_launched(
     # beating and watching through it, so a peer dying now ends this one too.
     _world.shutdown()
     live.stop()
+    return result
 
 
-def _run_healing(
-    main: Callable[..., object], ctx: _context.Context, args: tuple[Any, ...]
-) -> None:
+def _run_healing(main: Callable[..., object], ctx: _context.Context, args: tuple[Any, ...]) -> Any:
     """`main` in a world that heals: a failure elsewhere is its launcher's to heal, not ours."""
     try:
         try:
-            main(ctx, *args)
+            result = main(ctx, *args)
         except BaseException:
             # This worker dies; its launcher replaces it. Peers may still wait on it.
             _world.shutdown(graceful=False)
@@ -118,6 +117,7 @@ def _run_healing(
         _world.shutdown()  # serves calls until every worker's main is done (the world ends)
     except KeyboardInterrupt:  # the launcher's Ctrl-C, also while this worker serves
         _interrupted()
+    return result
 
 
 def joining_from_env() -> Joining | None:

@@ -7,8 +7,10 @@ world's store on loopback, forks every worker through the warm interpreter
     LocalWorld(main, args, ...): store on 127.0.0.1:<free port>, main pickled once
       spawn(rank, attempt, joining) ── forkserver ──> _child.worker(payload, spec, errors)
       failure(rank) <── errors pipe: its traceback, if it raised (RETURNED: done) ── exit code
+      result() <── the store: what rank 0's main returned (`asyncrpc.run` returns it)
       stop(): SIGTERM every process started, SIGKILL 2 s later
       close(): the caller's output and the `alive` pipe (each worker ends with this process)
+      quiet(gone): stderr through this process, torch's warnings of departures dropped (`_quiet`)
 
 `procs` and `errors` hold, by rank, the process that answers for a worker
 now and its traceback pipe; `started` every process started, to stop them.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import os
+import pickle
 import time
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
@@ -28,6 +31,7 @@ from .._core import _context, _rendezvous
 from .._core._errors import WorkerFailedError
 from .._core._membership import Joining
 from . import _child, _forkserver
+from ._quiet import Quiet, quieted
 
 __all__ = ("LocalWorld", "report", "runs", "signal_first", "stop", "wake_after")
 
@@ -59,6 +63,8 @@ class LocalWorld:
         self.errors: list[Connection] = []  # by rank: that process's traceback pipe
         forkserver = settings.start_method == "forkserver"
         self.outputs = _child.caller_output() if forkserver else (None, None)
+        self._quiet: Quiet | None = None  # the workers' stderr through this process (`quiet`)
+        self._stderr = self.outputs[1]
         # Each worker reads `alive` until this process ends, however it ends (SIGKILL
         # too): then the read sees the end of the pipe, and the worker stops itself.
         self.alive, self._held = self.spawner.Pipe(duplex=False)
@@ -115,6 +121,24 @@ class LocalWorld:
             text = ""  # it left the world, then was killed: its exit says how
         return WorkerFailedError(self.names[rank], rank, proc.exitcode, text)
 
+    def result(self) -> object:
+        """What rank 0's `main` returned (None if it did not return); raises `TypeError` when
+        it could not be pickled there, or `RuntimeError` when it cannot be loaded here."""
+        if not self.store.check([_child.RESULT_KEY]):
+            return None
+        kept = self.store.get(_child.RESULT_KEY)
+        if kept[:1] == b"E":
+            raise TypeError(kept[1:].decode())
+        try:
+            return pickle.loads(kept[1:])
+        except Exception as exc:
+            raise RuntimeError(
+                f"asyncrpc.run returns what rank 0's main returned, but this process cannot "
+                f"load it ({type(exc).__name__}: {exc}); return plain data or tensors, or "
+                f"objects of classes this process can import (defined at the top level of "
+                f"the script or in a module)"
+            ) from exc
+
     def retire(self, rank: int) -> None:
         """Let go of worker `rank`'s ended process and its pipe (2 descriptors a process)."""
         proc = self.procs[rank]
@@ -122,13 +146,23 @@ class LocalWorld:
         proc.close()
         self.errors[rank].close()
 
+    def quiet(self, gone: Callable[[str], bool]) -> None:
+        """Workers started from now write stderr through this process (`_quiet.Quiet`), which
+        drops torch's warnings about processes `gone` (torch names; a world that heals or grows).
+        """
+        if self._stderr is not None and quieted():
+            self._quiet = Quiet(self._stderr, gone)
+            self.outputs = (self.outputs[0], self._quiet.writer)
+
     def handed_out(self) -> None:
         """Every worker has its own copy of the output and `alive` by now: close ours."""
         _child.close_outputs(self.outputs)
         self.alive.close()
 
     def close(self) -> None:
-        _child.close_outputs(self.outputs)
+        if self._quiet is not None:  # every worker has ended: what they wrote last first
+            self._quiet.close()
+        _child.close_outputs((*self.outputs, self._stderr))
         if not self.alive.closed:
             self.alive.close()
         self._held.close()

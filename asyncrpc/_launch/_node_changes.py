@@ -18,8 +18,9 @@ Each launcher tells node 0 how its added or removed workers ended::
       they leave as removed workers do (stopping() is True there), then the launcher ends 0
 
 An added worker that dies under a launcher leaves the world (`Left`, with
-how it ended); it is not replaced. Node 0 hosts the store: its end is the
-world's end.
+how it ended); it is not replaced. So does a first worker other than rank 0
+without --max-restarts (`_replacing.Replacer` decides). Node 0 hosts the
+store: its end is the world's end.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class _Node(Protocol):
     def world_ended(self) -> bool: ...
 
     def formed_healer(self) -> Healer | None: ...
+
+    def went(self, proc: subprocess.Popen[bytes], name: str) -> None: ...  # ended (`_quiet`)
 
 
 _KILLS_EVERY_S = 0.25  # how often a launcher looks for its removed workers' kills
@@ -169,6 +172,7 @@ class NodeChanges:
             if code is None:
                 continue
             del self.extras[name]
+            self.node.went(proc, name)
             if code != 0 or not self.node.world_ended():
                 self.report(name, describe_exit(code))
             else:
@@ -179,17 +183,24 @@ class NodeChanges:
                 if proc.poll() is None and self.heal.check([f"kill/{name}"]):
                     proc.kill()  # removed, and past its timeout (node 0 said)
 
-    def _serve(self) -> None:
+    def _serving(self) -> Changes | None:
+        """Node 0's `Changes`, made once the world formed (None before)."""
         if self.changes is None:
             healer = self.node.formed_healer()
             if healer is None:
-                return
+                return None
             self.changes = Changes(healer, self.max_world_size, {}, self._start, self._alive,
                                    self._nodes)  # fmt: skip
-        self.changes.drain()
-        self.changes.serve()
+        return self.changes
+
+    def _serve(self) -> None:
+        changes = self._serving()
+        if changes is None:
+            return
+        changes.drain()
+        changes.serve()
         local = self._local()
-        for name in self.changes.due():
+        for name in changes.due():
             proc = local.get(name)
             if proc is None:
                 self.heal.set(f"kill/{name}", "1")  # its node's launcher kills it
@@ -244,6 +255,7 @@ class NodeChanges:
             proc = self.extras.pop(name)
             proc.kill()
             proc.wait()
+            self.node.went(proc, name)
             stopped.append(name)
         return stopped
 
@@ -284,8 +296,9 @@ class NodeChanges:
         """Tell node 0 that `name`'s process ended (`how`), where it is a change of members."""
         self.dead(name)
         if self.me == 0:
-            if self.changes is not None and not self.changes.exited(name, how):
-                self.changes.lost(name, how)
+            changes = self._serving()
+            if changes is not None and not changes.exited(name, how):
+                changes.lost(name, how)
             return
         self._send({"op": "exited", "name": name, "how": how})
 
@@ -311,6 +324,8 @@ class NodeChanges:
                 code = self.node.procs[local].poll()
                 if code is not None:
                     running.discard(local)
+                    self.node.went(self.node.procs[local], self.name_of(self.node.first + local)
+                                   or "")  # fmt: skip
                     self.took_exit(self.node.first + local, code)
             self.turn()
             time.sleep(_POLL_S)

@@ -39,19 +39,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import torch.distributed as dist
 
 from .._core import _membership, _polling, _records, _rendezvous
 from .._core._environ import NODE_VARIABLE
 from .._core._errors import RendezvousError, describe_exit
-from .._core._membership import Joining
+from .._core._membership import Joining, torch_name
 from .._core._torch import PrefixStore, Store
 from . import _parent
 from ._healer import Healer
 from ._launched import JOINING_VARIABLE, NAME_VARIABLE, RESTART_VARIABLE
 from ._node_changes import JOIN_S, NodeChanges
 from ._plan import Plan, plan
+from ._quiet import Quiet, quieted
 from ._replacing import Ended, Exit, Replacer, spent
 from ._signals import Signals, Stopped, say_stopped, stop_on_signals, stop_reason
 
@@ -89,6 +91,8 @@ def run(args: argparse.Namespace, nproc: int) -> int:
         finally:
             if node is not None and node.grow is not None:
                 node.grow.close()
+            if node is not None:
+                node.close()
 
 
 def _leave(node: Node, number: int) -> int:
@@ -103,6 +107,14 @@ def _leave(node: Node, number: int) -> int:
         with contextlib.suppress(*_STORE_GONE):
             node.space.set(f"left/{node.plan.node}", "1")
         return say_stopped(number)
+
+
+def _caller_stderr() -> Connection | None:
+    """A copy of this launcher's stderr, where `Quiet` writes the workers' (None: closed)."""
+    try:
+        return Connection(os.dup(2), readable=False)
+    except OSError:
+        return None
 
 
 def _store(chosen: Plan) -> Store:
@@ -134,6 +146,17 @@ class Node:
         self.grow = NodeChanges(self, chosen.max_world_size) if chosen.elastic else None
         self.replacer = Replacer(self)  # what each end of a worker means (`_replacing`)
         self.running: set[int] = set()  # this node's first workers still running, by local
+        # The workers' stderr through this launcher (`_quiet`): torch's warnings about the
+        # processes that ended here (torch names), the names that left the world (never
+        # given again) and, once it ends, any, are dropped.
+        self.torch_ids: dict[int, int] = {}  # pid -> torch id, of each worker started here
+        self.gone: set[str] = set()
+        self.left_names: frozenset[str] = frozenset()
+        self.ending = False
+        self._stderr = _caller_stderr() if quieted() else None
+        self.quiet = None if self._stderr is None else Quiet(self._stderr, self._gone)
+        if self.grow is not None and self.quiet is not None:
+            self.grow.spare.stderr = self.quiet.writer.fileno()
 
     def start_all(self) -> None:
         if self.grow is not None and self.plan.join:  # its workers come as node 0 orders
@@ -178,6 +201,7 @@ class Node:
         with self.signals.held():  # a signal now is raised once it is listed (`stop_workers`)
             proc = self._popen(env, added=name is not None)
             self.started = [p for p in self.started if p.poll() is None] + [proc]  # bounded
+        self.torch_ids[proc.pid] = joining.torch_id
         return proc
 
     def _popen(self, env: dict[str, str], added: bool) -> subprocess.Popen[bytes]:
@@ -187,7 +211,9 @@ class Node:
             if warm is not None:
                 return warm
         # A session of its own: a terminal's Ctrl-C reaches this launcher, which stops them.
-        return subprocess.Popen(self.plan.command, env=env, start_new_session=True)
+        stderr = None if self.quiet is None else self.quiet.writer.fileno()
+        return subprocess.Popen(self.plan.command, env=env, start_new_session=True,
+                                stderr=stderr)  # fmt: skip
 
     def watch(self) -> int:
         """Heal this node's workers until each is done; the exit status (0, or 1: failed)."""
@@ -210,6 +236,7 @@ class Node:
                 return self._failed(self._store_gone(exc), own=False)
             if time.monotonic() >= next_look:
                 next_look = time.monotonic() + _STORE_EVERY_S
+                self._look_gone()
                 elsewhere = self._failure_elsewhere()
                 if elsewhere is not None:
                     return self._failed(elsewhere, own=False)
@@ -224,9 +251,11 @@ class Node:
         """This node's worker `local` ended (`code`): None, or the failure that ends the world."""
         rank, how = self.first + local, describe_exit(code)
         names = self._names()
+        self.went(self.procs[local], names[rank] if names else "")
         who = f"{self._describe(local)} {how}"
         end = Ended(rank, names[rank] if names else "", code, who, how)
         verdict = self.replacer.ended(end)
+        self.ending = self.ending or verdict.exit is Exit.DONE
         if verdict.exit is Exit.DONE and self.grow is not None:
             self.grow.dead(end.name)  # node 0 waits for no word from it any more
         if verdict.exit is Exit.UNFORMED:
@@ -247,6 +276,16 @@ class Node:
 
     def left(self, end: Ended) -> bool:
         return self.grow is not None and self.grow.took_exit(end.rank, end.code)
+
+    def grows(self) -> bool:
+        return self.grow is not None
+
+    def lost(self, end: Ended) -> None:
+        assert self.grow is not None
+        print(f"asyncrpc-launch: {end.summary}; it left the world, which goes on without it "
+              f"(launch with --max-restarts K --restart worker to replace dead workers in "
+              f"place)", file=sys.stderr, flush=True)  # fmt: skip
+        self.grow.report(end.name, end.how)
 
     def start(self, rank: int, joining: Joining, attempt: int) -> None:
         local = rank - self.first
@@ -320,6 +359,33 @@ class Node:
             return self.grow.extras[name].poll() is None
         local = self.healer.names.index(name) - self.first
         return not 0 <= local < len(self.procs) or self.procs[local].poll() is None
+
+    # ---- the workers' stderr (`_quiet`) ------------------------------------------------
+
+    def went(self, proc: subprocess.Popen[bytes], name: str) -> None:
+        """`name`'s process `proc`, started here, ended: torch's warnings about it are noise."""
+        torch_id = self.torch_ids.pop(proc.pid, None)
+        if torch_id is not None and name:
+            self.gone.add(torch_name(name, torch_id, self.size))
+
+    def _gone(self, torch: str) -> bool:
+        """Whether the process torch knows as `torch` ended or is leaving (`Quiet` asks)."""
+        return self.ending or torch in self.gone or torch.partition(":")[0] in self.left_names
+
+    def _look_gone(self) -> None:
+        """Read who left the world (removed, preempted, dead), and whether it ends."""
+        with contextlib.suppress(*_STORE_GONE):
+            state = _records.read_state(self.heal)
+            self.left_names = frozenset(state.get("left", ()))
+            self.ending = self.ending or bool(state.get("ending"))
+
+    def close(self) -> None:
+        """Every worker of this launcher has ended: their last output, then its pipe."""
+        if self.quiet is not None:
+            self.ending = True  # whatever torch said last is about processes gone
+            self.quiet.close()
+        if self._stderr is not None:
+            self._stderr.close()
 
     def _failure_elsewhere(self) -> str | None:
         try:

@@ -12,6 +12,10 @@ processes) and each launcher of `asyncrpc-launch --restart worker`
       exit 0 and the world ends (every main done)          -> DONE
       the world has not formed (no main ran): nothing to
         heal, the others wait for it in the world's start   -> UNFORMED
+      a world that grows and does not heal (max_restarts=0), any worker but
+        rank 0, while the world runs: it leaves the world unasked
+        (`Supervised.lost`: every member hears `Left`; the replacements
+        still joining are stopped first, and start again)   -> LEFT
       else replace it in place:
         stop this supervisor's replacements still joining (torch's join may
           wait for the dead process for good; they start again, uncounted)
@@ -25,6 +29,9 @@ processes) and each launcher of `asyncrpc-launch --restart worker`
 
 What each supervisor does with UNFORMED and FAILED is its own: embedded,
 the world starts again or `run` raises; a launcher ends, naming the worker.
+Rank 0's death is never a departure: it runs the program's driver (the
+`main` whose result `asyncrpc.run` returns), so it fails a world that does
+not heal.
 """
 
 from __future__ import annotations
@@ -89,6 +96,17 @@ class Supervised(Protocol):
         """The world's healer once it formed (every member knew the others), else None."""
         ...
 
+    def grows(self) -> bool:
+        """Whether members may come and go (an elastic world): a death may be a departure."""
+        ...
+
+    def lost(self, end: Ended) -> None:
+        """`end`'s worker died unasked and leaves the world: every member hears `Left`.
+
+        Said on stderr in one line, with the supervisor's own hint.
+        """
+        ...
+
     def start(self, rank: int, joining: Joining, attempt: int) -> None:
         """Start worker `rank`'s replacement, joining as `joining` says, and watch it."""
         ...
@@ -137,7 +155,30 @@ class Replacer:
         healer = supervised.formed_healer()
         if healer is None:
             return Verdict(Exit.UNFORMED)
+        if self._departs(healer, end):
+            return Verdict(Exit.LEFT)
         return self._replace(healer, end)
+
+    def _departs(self, healer: Healer, end: Ended) -> bool:
+        """In a world that grows and does not heal, a dead worker (not rank 0) leaves it.
+
+        Not one this supervisor stopped as it joined, nor one still joining
+        (they start again, or fail their add), nor once the world ends.
+        """
+        supervised = self.supervised
+        if healer.max_restarts or end.rank == 0 or not supervised.grows():
+            return False
+        joining = healer.joining()
+        if end.name in healer.retry or end.name in joining or supervised.world_ended():
+            return False
+        # torch's join of one still joining may wait for the dead process for good,
+        # and it holds the group's token that forgetting the dead one takes.
+        self._stop_joining(healer, joining)
+        if end.traceback:
+            print(end.traceback.rstrip(), file=sys.stderr, flush=True)
+        supervised.lost(end)
+        supervised.retire(end.rank)
+        return True
 
     def _replace(self, healer: Healer, end: Ended) -> Verdict:
         retry = end.name in healer.retry  # before `_refused` marks it

@@ -50,8 +50,8 @@ def run(
     elastic: bool = False,
     max_world_size: int | None = None,
     **options: Any,
-) -> None:
-    """Run `main(ctx, *args)` on every worker of a world, then shut RPC down cleanly.
+) -> Any:
+    """Run `main(ctx, *args)` on every worker of a world, then shut RPC down; rank 0's result.
 
     Under a launcher the process joins the launcher's world; otherwise `run`
     starts `world_size` local worker processes itself (`main` must then be
@@ -66,14 +66,22 @@ def run(
     `asyncrpc-launch --max-restarts N [--restart worker]`. With `elastic=True`
     (and in every world that heals) members may add and remove workers while
     it runs (`asyncrpc.add_workers`, `asyncrpc.remove_workers`), up to
-    `max_world_size` at once (None: no bound). Options (`num_worker_threads`,
-    `rpc_timeout`, ...): see `Settings`. Example::
+    `max_world_size` at once (None: no bound); there a worker that dies
+    leaves the world (`asyncrpc.Left` on every member), but for rank 0, whose
+    death ends it. Options (`num_worker_threads`, `rpc_timeout`, ...): see
+    `Settings`.
+
+    Returns what rank 0's `main` returned (in a world that healed rank 0: its
+    last replacement's), pickled across from the worker's process; a value
+    that cannot be pickled raises `TypeError` naming its type, once the world
+    has ended. Under a launcher every worker calls `run`, and each gets what
+    its own `main` returned. Example::
 
         def main(ctx):
-            print(ctx.name, "of", ctx.world_size)
+            return f"{ctx.name} of {ctx.world_size}"
 
         if __name__ == "__main__":
-            asyncrpc.run(main, world_size=3)
+            print(asyncrpc.run(main, world_size=3))  # worker0 of 3
     """
     _check_main(main)
     if not isinstance(args, tuple):
@@ -95,8 +103,7 @@ def run(
         _devices.refuse_changing(settings.devices, settings.device_maps)
     size = _context.resolve_world_size(world_size, roles)
     if launched():
-        run_launched(main, args, size, roles, settings, restart)
-        return
+        return run_launched(main, args, size, roles, settings, restart)
     if size is None:
         raise ValueError(
             "asyncrpc.run needs world_size=N (or roles=...) to start a local world; "
@@ -110,15 +117,15 @@ def run(
             f"max_world_size, or start fewer workers"
         )
     if restart == "worker" or elastic:
-        _run_healing(main, args, size, roles, settings, max_restarts, max_world_size, elastic)
-        return
+        return _run_healing(main, args, size, roles, settings, max_restarts, max_world_size,
+                            elastic)  # fmt: skip
     for attempt in range(max_restarts + 1):
         # Survivors get a grace period to report their own failure, unless the
         # world is about to start again: then they are stopped at once.
         grace = _GRACE_S if attempt == max_restarts else 0.0
-        failure = _run_embedded(main, args, size, roles, settings, attempt, grace)
+        failure, result = _run_embedded(main, args, size, roles, settings, attempt, grace)
         if failure is None:
-            return
+            return result
         if attempt == max_restarts:
             if max_restarts:
                 failure.add_note(f"the world was started {attempt + 1} times; every run failed")
@@ -140,8 +147,10 @@ def _run_healing(
     max_restarts: int,
     max_world_size: int | None = None,
     elastic: bool = False,
-) -> None:
+) -> Any:
     """`restart="worker"`: one world healing in place, started again while it forms.
+
+    Returns what rank 0's `main` returned.
 
     An elastic world that does not heal is one with no restarts to spend.
 
@@ -153,7 +162,7 @@ def _run_healing(
     while True:
         try:
             heal = (max_restarts, used, max_world_size, elastic)
-            failure = _run_embedded(main, args, size, roles, settings, 0, _GRACE_S, heal)
+            failure, result = _run_embedded(main, args, size, roles, settings, 0, _GRACE_S, heal)
         except Unformed as unformed:
             failure, used = unformed.failure, used + 1
             if used > max_restarts:
@@ -172,7 +181,7 @@ def _run_healing(
             continue
         if failure is not None:
             raise failure
-        return
+        return result
 
 
 def _check_restart(restart: object) -> None:
@@ -239,8 +248,8 @@ def _run_embedded(
     attempt: int,
     grace: float,
     heal: tuple[int, int, int | None, bool] | None = None,
-) -> WorkerFailedError | None:
-    """One world of local workers; the failure that ended it, if any.
+) -> tuple[WorkerFailedError | None, Any]:
+    """One world of local workers; the failure that ended it, if any, and rank 0's result.
 
     `heal`: (max_restarts, used, max_world_size, elastic): replace dead
     workers in place, at most max_restarts times in all, `used` of them spent
@@ -253,13 +262,16 @@ def _run_embedded(
             for rank in range(world_size):
                 world.spawn(rank, attempt, None)
             world.handed_out()
-            return _supervise(world, grace)
-        healing = HealingWorld(world, *heal)
-        try:
-            healing.start_all()
-            return healing.supervise(grace)
-        finally:
-            healing.close()
+            failure = _supervise(world, grace)
+        else:
+            healing = HealingWorld(world, *heal)
+            try:
+                healing.start_all()
+                failure = healing.supervise(grace)
+            finally:
+                healing.close()
+        # What rank 0 returned crosses once the world has ended well (TypeError: it could not).
+        return failure, (world.result() if failure is None else None)
     except BaseException:
         _local.stop(world.started)
         raise

@@ -31,6 +31,7 @@ class Spare:
     def __init__(self, command: list[str]) -> None:
         self.command = command
         self.proc: subprocess.Popen[bytes] | None = None
+        self.stderr: int | None = None  # where its stderr goes (None: the launcher's own)
 
     def usable(self) -> bool:
         """Whether the command is a Python script or module this can start ahead."""
@@ -43,7 +44,8 @@ class Spare:
             return
         _, *flags_and_target = self.command[1:]  # the "-u" the launcher passes
         command = [sys.executable, "-u", "-m", __name__, *flags_and_target]
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True,
+                                     stderr=self.stderr)  # fmt: skip
 
     def use(self, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
         """The spare, now running the script as a worker with `env`; None if none is ready."""
@@ -59,10 +61,13 @@ class Spare:
         return proc
 
     def close(self) -> None:
-        """End the spare unused (its stdin closes: it exits 0)."""
+        """End the spare unused: its stdin closes (it exits 0), and one still importing torch
+        is stopped (it holds the workers' stderr pipe, whose end the launcher waits for)."""
         proc, self.proc = self.proc, None
         if proc is not None and proc.stdin is not None:
             proc.stdin.close()
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
 
 
 def _run(argv: list[str]) -> None:

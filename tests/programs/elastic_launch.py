@@ -6,13 +6,14 @@
 SCENARIO:
   grow   one node: add_workers (new interpreters) with calls, a handle and a stream on
          them, remove_workers of one running a call, events, the launcher's errors, an
-         added worker killed (it leaves)
+         added worker killed (it leaves), then worker1, a first worker (it leaves too)
   nodes  node 0 waits for a node that joins (--join) with 2 workers, calls every
          member, then writes "ready" to STATUS_FILE; the test sends SIGTERM to node 1's
          launcher, whose workers leave (stopping() turns True there); node 0 sees them
          go, checks the rest still answer, and prints its result
 
-worker0 prints one JSON line `RESULT {...}`.
+worker0 prints one JSON line `RESULT {...}`; every worker whose `asyncrpc.run`
+returns prints `RAN <what it returned>` (its own main's result).
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ def grow(ctx: asyncrpc.Context) -> dict[str, Any]:
     out["killed"] = next(e for e in EVENTS if e[0] == "Left" and e[1] == victim)
     out["after_kill"] = error_of(lambda: asyncrpc.rpc_sync(victim, whoami))
     out["members_after_kill"] = list(asyncrpc.members())
+    # A first worker (not rank 0) that dies leaves as well, without --max-restarts.
+    os.kill(asyncrpc.rpc_sync("worker1", whoami)[4], signal.SIGKILL)
+    _wait_for(lambda: any(e[0] == "Left" and e[1] == "worker1" for e in EVENTS))
+    out["first_killed"] = next(e for e in EVENTS if e[0] == "Left" and e[1] == "worker1")
+    out["members_after_first"] = list(asyncrpc.members())
     out["events"] = EVENTS
     return out
 
@@ -112,18 +118,19 @@ def nodes(ctx: asyncrpc.Context, status: str) -> dict[str, Any]:
     }
 
 
-def main(ctx: asyncrpc.Context, scenario: str, *rest: str) -> None:
+def main(ctx: asyncrpc.Context, scenario: str, *rest: str) -> str:
     asyncrpc.on_members(_record)
     if ctx.rank == 0:
         result = grow(ctx) if scenario == "grow" else nodes(ctx, *rest)
         print("RESULT " + json.dumps(result), flush=True)
-        return
+        return f"the result of {ctx.name}"
     if os.environ.get("ASYNCRPC_NODE") == "1":  # preempted later: leaves when told
         deadline = time.monotonic() + BOUND_S
         while not asyncrpc.stopping() and time.monotonic() < deadline:
             time.sleep(0.05)
         print(f"{ctx.name} on {socket.gethostname()} stopping", file=sys.stderr, flush=True)
+    return f"the result of {ctx.name}"
 
 
 if __name__ == "__main__":
-    asyncrpc.run(main, args=tuple(sys.argv[1:]))
+    print("RAN", asyncrpc.run(main, args=tuple(sys.argv[1:])), flush=True)

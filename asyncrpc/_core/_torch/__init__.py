@@ -24,7 +24,8 @@ Its modules, lowest first (each imports only those before it, `_errors` and
 
     _versions    the torch versions tested; `require`, the check a private name exists
     _originals   torch's own verbs and Future methods, bound before any patch
-    _texts       torch's failure texts (`failure_kind`) and its remote exceptions
+    _texts       torch's failure texts (`failure_kind`), its remote exceptions, its warnings
+                 of departures (`pipe_warning`, `rref_leak`)
     _process     torch's RPC threads, inter-op pool, profiler, TorchScript warnings
     _modules     nn.Module's and tensors' private tables, hooks and counters (`_fanout`)
     _launcher    torchrun's rendezvous registry, static rendezvous and elastic agent
@@ -144,9 +145,11 @@ from ._sending import (
 from ._texts import (
     RemoteException,
     failure_kind,
+    pipe_warning,
     raise_remote_exception,
     refused,
     remote_exception,
+    rref_leak,
 )
 from ._unread import watch_unread
 from ._versions import TESTED_TORCH
@@ -210,6 +213,7 @@ __all__ = (
     "own_id",
     "owner_view",
     "parts_of",
+    "pipe_warning",
     "profiler_config",
     "profiling",
     "quiet_torchscript",
@@ -225,6 +229,7 @@ __all__ = (
     "rref_future",
     "rref_id",
     "rref_kind",
+    "rref_leak",
     "rref_owner",
     "send_python",
     "send_torch",

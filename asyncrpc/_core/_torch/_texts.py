@@ -1,5 +1,10 @@
 """torch's failures as asyncrpc reads and writes them: its error texts, its remote exceptions.
 
+Also the warning TensorPipe logs for a failed pipe (`pipe_warning`) and
+the report of RRefs not deleted at a worker's end (`rref_leak`), which the
+supervisor of a world that heals or grows drops for the departures it
+expects (`_launch/_quiet`).
+
 torch raises a plain RuntimeError for a timeout, a dead peer, a value it
 cannot pickle or a lost object: `failure_kind` tells them apart by their
 text (tests/test_torch_boundary.py provokes each one). A remote function's
@@ -18,9 +23,11 @@ from torch.distributed.rpc import internal as _rpc_internal
 __all__ = (
     "RemoteException",
     "failure_kind",
+    "pipe_warning",
     "raise_remote_exception",
     "refused",
     "remote_exception",
+    "rref_leak",
 )
 
 # Each pattern is matched against the first lines of the RuntimeError that torch
@@ -70,6 +77,42 @@ def refused(text: str) -> bool:
     closed (see `_listener`), not this process's fault.
     """
     return "ECONNREFUSED: connection refused (this error originated at tensorpipe/" in text
+
+
+# The warning torch's TensorPipe agent logs (c10's logging, on stderr) when a pipe to
+# a peer fails: a read of a request or a response, or a send, to or from a process
+# that died, left, or is leaving. `agent` and `peer` are torch's names of the two
+# processes (a replacement's or an added member's: "name:<torch id>").
+_PIPE_WARNING = re.compile(
+    r"^\[W[^\]]*tensorpipe_agent\.cpp:\d+\] RPC agent for (?P<agent>\S+) encountered error "
+    r"when (?:reading incoming (?:request|response) from|sending outgoing request #\d+ to|"
+    r"sending response to request #\d+ to) (?P<peer>\S+): "
+)
+
+
+def pipe_warning(line: str) -> tuple[str, str] | None:
+    """(agent, peer): the torch names in TensorPipe's warning of a failed pipe, else None.
+
+    A line such as ``[W1129 09:42:23.409 tensorpipe_agent.cpp:723] RPC agent for
+    worker0 encountered error when reading incoming request from worker2:2: EOF:
+    end of file (...)``.
+    """
+    found = _PIPE_WARNING.match(line)
+    return (found["agent"], found["peer"]) if found is not None else None
+
+
+# torch's report, as a worker's agent stops, of the RRefs it did not delete: a header
+# line, then one line per RRef. A world that healed or changed members deletes none
+# at its end (see `_healing.leave`), so it reports every RRef held then.
+_RREF_LEAK = re.compile(
+    r"^(?:\[W[^\]]*rref_context\.cpp:\d+\] Detected RRef Leaks during shutdown|"
+    r"Leaking RRef GloballyUniqueId\()"
+)
+
+
+def rref_leak(line: str) -> bool:
+    """Whether `line` is part of torch's report of RRefs not deleted at a worker's end."""
+    return _RREF_LEAK.match(line) is not None
 
 
 class _Absent:
