@@ -74,7 +74,8 @@ def actor(
     rebuilt from its constructor's arguments (-1: always).
 
     Decorating gives a subclass carrying the options; applied where an
-    object is made, it leaves the class as it was.
+    object is made, it leaves the class as it was. On a class that has
+    options already, what is left out stays the class's.
 
     Example::
 
@@ -87,7 +88,12 @@ def actor(
 
         h = asyncrpc.spawn("worker1", asyncrpc.actor(max_concurrency=8)(Server))
     """
-    options = ActorOptions(
+    if isinstance(max_concurrency, type):
+        raise TypeError(
+            f"asyncrpc.actor takes options, and was given the class {max_concurrency.__name__}: "
+            f"write @asyncrpc.actor() (with the parentheses) above `class`"
+        )
+    given = ActorOptions(
         _limit("max_concurrency", max_concurrency),
         _groups(concurrency_groups),
         _restarts(max_restarts),
@@ -99,16 +105,26 @@ def actor(
                 f"asyncrpc.actor decorates a class, got {type(cls).__name__} {cls!r:.60}; "
                 f"write @asyncrpc.actor(...) above `class`"
             )
-        base = vars(cls).get(_ACTOR_BASE, cls)  # decorating twice: the last options count
+        base = vars(cls).get(_ACTOR_BASE, cls)
+        options = _over(actor_options(cls), given, concurrency_groups is None)
         _check_groups(base, options)
         namespace = {
             _ACTOR_OPTIONS: options, _ACTOR_BASE: base, "__module__": base.__module__,
             "__qualname__": base.__qualname__, "__doc__": base.__doc__,
         }  # fmt: skip
-        made: C = type(base)(base.__name__, (base,), namespace)
+        made: C = type(cls)(base.__name__, (cls,), namespace)
         return made
 
     return decorate
+
+
+def _over(before: ActorOptions, given: ActorOptions, keep_groups: bool) -> ActorOptions:
+    """Options given where a class already has some: what was left out stays the class's."""
+    return ActorOptions(
+        given.max_concurrency if given.max_concurrency is not None else before.max_concurrency,
+        before.concurrency_groups if keep_groups else given.concurrency_groups,
+        given.max_restarts or before.max_restarts,
+    )
 
 
 def method(
@@ -129,6 +145,11 @@ def method(
                              retry_exceptions=(ConnectionError,))
             async def fetch(self, url): ...
     """
+    if callable(concurrency_group):
+        raise TypeError(
+            f"asyncrpc.method takes options, and was given {concurrency_group!r:.60}: write "
+            f"@asyncrpc.method() (with the parentheses) above `def`"
+        )
     options = MethodOptions(
         _group_name(concurrency_group), check_retries("max_retries", max_retries),
         check_retryable(retry_exceptions),
@@ -161,10 +182,9 @@ def method_options(cls: type | None, name: str) -> MethodOptions:
 def sendable_class(cls: Any) -> Any:
     """What to send for `cls`: an options subclass that pickle cannot find by name sends
     its base (the handle carries the options)."""
-    base = vars(cls).get(_ACTOR_BASE) if isinstance(cls, type) else None
-    if base is None or _found_by_name(cls):
-        return cls
-    return base
+    while isinstance(cls, type) and _ACTOR_BASE in vars(cls) and not _found_by_name(cls):
+        cls = cls.__bases__[0]  # the class it was made from, up to one pickle finds
+    return cls
 
 
 def _found_by_name(cls: type) -> bool:

@@ -55,28 +55,46 @@ class ActorPool(Generic[H]):
                     f"{h!r:.60}"
                 )
         self._lock = threading.Lock()
+        self._size = len(self._idle)  # handles in the pool, idle or busy
         self._futures: dict[int, Future[Any]] = {}  # index -> its Future
         self._waiting: deque[tuple[int, Submit, Any]] = deque()
         self._submitted = 0  # the next index to give
         self._returned = 0  # the next index get_next returns
 
     def map(self, fn: Submit, values: Iterable[Any]) -> Iterator[Any]:
-        """`fn(handle, v)` for each of `values`, spread over the pool; results in order."""
-        for value in values:
-            self.submit(fn, value)
-        while self.has_next():
-            yield self.get_next()
+        """`fn(handle, v)` for each of `values`, spread over the pool; results in order.
+
+        As Ray's: results of work submitted before, not yet returned, are
+        dropped first, and every value is submitted at once.
+        """
+        self._start_over(fn, values)
+        return self._results(self.get_next)
 
     def map_unordered(self, fn: Submit, values: Iterable[Any]) -> Iterator[Any]:
         """As `map`, each result as soon as it is ready."""
-        for value in values:
+        self._start_over(fn, values)
+        return self._results(self.get_next_unordered)
+
+    def _start_over(self, fn: Submit, values: Iterable[Any]) -> None:
+        with self._lock:
+            self._waiting.clear()  # not started: dropped
+            self._futures.clear()  # started: their handles come back as they end
+            self._returned = self._submitted
+        for value in list(values):
             self.submit(fn, value)
+
+    def _results(self, get: Callable[[], Any]) -> Iterator[Any]:
         while self.has_next():
-            yield self.get_next_unordered()
+            yield get()
 
     def submit(self, fn: Submit, value: Any) -> None:
         """Schedule `fn(handle, value)` on the next idle handle (or once one is idle)."""
         with self._lock:
+            if self._size == 0:
+                raise ValueError(
+                    "ActorPool.submit: the pool has no handles (none given, or all taken "
+                    "out with pop_idle); give it some: ActorPool(handles) or pool.push(h)"
+                )
             index = self._submitted
             self._submitted += 1
             out = self._futures[index] = new_future()  # filled when its call ends
@@ -132,12 +150,17 @@ class ActorPool(Generic[H]):
 
     def push(self, handle: H) -> None:
         """Add a handle to the pool (it takes waiting work at once)."""
+        with self._lock:
+            self._size += 1
         self._idle_again(handle)
 
     def pop_idle(self) -> H | None:
         """Take an idle handle out of the pool; None when none is idle."""
         with self._lock:
-            return self._idle.pop() if self._idle else None
+            if not self._idle:
+                return None
+            self._size -= 1
+            return self._idle.pop()
 
     def _start(self, index: int, handle: H, fn: Submit, value: Any, out: Future[Any]) -> None:
         try:
@@ -156,9 +179,11 @@ class ActorPool(Generic[H]):
 
     def _finished(self, handle: H, done: Future[Any], out: Future[Any]) -> None:
         try:
-            out.set_result(done.wait())
+            value = done.wait()
         except BaseException as exc:  # kept as a value: a Future holding it would leak
-            out.set_result(hold(exc))
+            value = hold(exc)
+        if not out.done():
+            out.set_result(value)
         self._idle_again(handle)
 
     def _idle_again(self, handle: H) -> None:

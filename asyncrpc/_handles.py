@@ -38,6 +38,7 @@ from ._actor import (
     check_retries,
     check_retryable,
     method_options,
+    sendable_class,
 )
 from ._core import _calls, _hooks, _torch, _world
 from ._core._errors import ObjectLostError, WorkerLeftError, WorkerUnreachableError
@@ -132,6 +133,7 @@ class RemoteObject(Generic[T]):
         # A copy elsewhere keeps its own order, and asks the creator after a restart.
         state["_origin"] = family.origin or (_my_name(), family.key)
         state["_rref"] = family.rref
+        state["cls"] = sendable_class(self.cls)  # the handle carries the options anyway
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import hypothesis.strategies as st
 import pytest
@@ -371,3 +372,18 @@ def test_objects_restart_and_calls_retry_across_deaths() -> None:
         "hypothesis: 12 examples",
     ):
         assert line in result.stdout, result.stdout
+
+
+def use_handle(handle: asyncrpc.RemoteObject[Any]) -> int:
+    return int(handle.call("add", 0))
+
+
+def test_options_given_where_an_object_is_made(world: asyncrpc.Context) -> None:
+    wider = asyncrpc.spawn("worker1", asyncrpc.actor(max_concurrency=3)(Tally))
+    assert asyncrpc.rpc_sync("worker2", use_handle, args=(wider,)) == 1  # the handle crosses
+    service = asyncrpc.spawn("worker2", asyncrpc.actor(max_concurrency=2)(Service))
+    assert service.call("status") == "up"  # its groups stay (left out here)
+    with pytest.raises(TypeError, match=r"write @asyncrpc.actor\(\) \(with the parentheses\)"):
+        asyncrpc.actor(Tally)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"write @asyncrpc.method\(\) \(with the parentheses\)"):
+        asyncrpc.method(Tally.add)  # type: ignore[arg-type]

@@ -102,3 +102,19 @@ def test_actor_pool_by_hand(world: asyncrpc.Context) -> None:
         pool.get_next()
     with pytest.raises(TypeError, match=r"ActorPool takes handles"):
         asyncrpc.ActorPool([1])  # type: ignore[list-item]
+
+
+def test_actor_pool_map_starts_over_as_rays_does(world: asyncrpc.Context) -> None:
+    pool = asyncrpc.ActorPool([asyncrpc.spawn("worker1", Doubler) for _ in range(2)])
+    with pytest.raises(ValueError, match="negative"):
+        list(pool.map(_double, [1, -2, 3, 4, 5]))
+    assert list(pool.map(_double, [100, 101])) == [200, 202]  # nothing of the last map
+    started = pool.map(_double, [10, 11, 12])
+    assert next(started) == 20
+    assert list(pool.map_unordered(_double, [7])) == [14]
+    with pytest.raises(AttributeError, match="has no method 'triple'"):
+        list(pool.map(lambda h, x: h.call_async("triple", x), [1]))
+    assert list(pool.map(_double, [2])) == [4]  # the bad map left nothing behind
+    empty: asyncrpc.ActorPool[asyncrpc.RemoteObject[Doubler]] = asyncrpc.ActorPool([])
+    with pytest.raises(ValueError, match="the pool has no handles"):
+        empty.submit(_double, 1)
