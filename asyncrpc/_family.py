@@ -31,7 +31,7 @@ from ._core import _calls, _hooks, _polling, _runtime, _torch, _world
 from ._core._errors import ObjectLostError
 from ._placement import count_held
 
-__all__ = ("Family", "Recipe", "construct", "family_for")
+__all__ = ("Family", "Recipe", "construct", "family_for", "my_name")
 
 _REJOIN_S = 120.0  # the longest a restart waits for the owner's replacement to join
 
@@ -174,7 +174,7 @@ def family_for(rref: Any, origin: tuple[str, int] | None = None) -> Family:
             made = Family(rref)
             families.made[made.key] = made
             return made
-        if origin[0] == _my_name():
+        if origin[0] == my_name():
             found = families.made.get(origin[1])
             if found is not None:
                 return found  # back where it was made: the same family
@@ -201,7 +201,8 @@ def _hooks_owner(rref: Any) -> None:
     _hooks.owner_of(rref, "the object")
 
 
-def _my_name() -> str | None:
+def my_name() -> str | None:
+    """This worker's name, in a running world (None: no world)."""
     world = _world.running()
     return None if world is None else world.context.name
 

@@ -40,13 +40,13 @@ from ._actor import (
     method_options,
     sendable_class,
 )
-from ._core import _calls, _hooks, _torch, _world
+from ._core import _calls, _hooks, _torch
 from ._core._errors import ObjectLostError, WorkerLeftError, WorkerUnreachableError
 from ._core._failures import hold
 from ._core._futures import new_future
 from ._core._mailbox import invoke, no_method
 from ._core._stream import DEFAULT_WINDOW, Stream, check_window
-from ._family import Family, family_for
+from ._family import Family, family_for, my_name
 from ._retry import await_notice, call_async_retrying, call_retrying
 
 __all__ = ("RemoteModule", "RemoteObject", "type_of")
@@ -131,7 +131,7 @@ class RemoteObject(Generic[T]):
         state = dict(vars(self))
         family = state.pop("_family")
         # A copy elsewhere keeps its own order, and asks the creator after a restart.
-        state["_origin"] = family.origin or (_my_name(), family.key)
+        state["_origin"] = family.origin or (my_name(), family.key)
         state["_rref"] = family.rref
         state["cls"] = sendable_class(self.cls)  # the handle carries the options anyway
         return state
@@ -407,8 +407,3 @@ class RemoteModule(RemoteObject[M]):
     def parameter_rrefs(self) -> list[rpc.RRef[torch.Tensor]]:
         """RRefs to the module's parameters, for `DistributedOptimizer`."""
         return list(_calls.call_sync(self._call_on_owner(_parameter_rrefs, "parameter_rrefs()")))
-
-
-def _my_name() -> str | None:
-    world = _world.running()
-    return None if world is None else world.context.name
