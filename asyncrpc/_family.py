@@ -81,7 +81,7 @@ class Family:
     def suspect(self, rref: Any) -> None:
         """A call to `rref` met the death of its owner: the next call waits until the
         world knows, then rebuilds it (or raises `ObjectLostError` past its restarts)."""
-        if self.restarts_here() and getattr(_runtime.running_world(), "members", None):
+        if self.restarts_here() and _world.heals():
             self.suspected = rref
 
     @contextlib.contextmanager

@@ -67,9 +67,12 @@ def _method(obj: object, name: str) -> Callable[..., Any]:
 
 
 def _invoke_stream(
-    rref: rpc.RRef[Any], name: str, args: tuple[Any, ...], kw: dict[str, Any]
+    name: str, args: tuple[Any, ...], kw: dict[str, Any], rref: rpc.RRef[Any]
 ) -> Any:
-    """A handle's stream: the generator its method returns (see `_core._stream`)."""
+    """A handle's stream: the generator its method returns (see `_core._stream`).
+
+    The RRef comes last, as `invoke`'s does (an unpicklable argument fails first).
+    """
     return _method(rref.local_value(), name)(*args, **kw)
 
 
@@ -205,7 +208,7 @@ class RemoteObject(Generic[T]):
         if left == 0:
             return self._call_once(method, args, kwargs)
         once = functools.partial(self._call_once, method, args, kwargs)
-        return call_retrying(once, lambda: self._family.rref, left, retry_on)
+        return call_retrying(once, lambda: self._family.rref, left, retry_on, self._seconds())
 
     def call_async(self, method: str, /, *args: Any, **kwargs: Any) -> Future[Any]:
         """Start `obj.method(*args, **kwargs)` on the owner; a Future of the result.
@@ -216,24 +219,30 @@ class RemoteObject(Generic[T]):
         if left == 0:
             return self._send_once(method, args, kwargs)
         once = functools.partial(self._send_once, method, args, kwargs)
-        return call_async_retrying(once, lambda: self._family.rref, left, retry_on)
+        return call_async_retrying(
+            once, lambda: self._family.rref, left, retry_on, self._seconds()
+        )
 
-    def _call_once(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        call, ticket = self._call(method, args, kwargs)
+    def _seconds(self) -> float:
+        """This handle's timeout in seconds (0: none); with retries it bounds them all."""
+        return _torch.default_timeout() if self._timeout < 0 else self._timeout
+
+    def _call_once(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   timeout: float | None = None) -> Any:  # fmt: skip
+        call, ticket = self._call(method, args, kwargs, timeout)
         try:
             return _calls.call_sync(call, sending=self._family.sending(ticket))
         except WorkerUnreachableError:
-            self._family.suspect(call.args[0])  # type: ignore[index]
+            self._family.suspect(call.args[-1])  # type: ignore[index]
             raise
 
-    def _send_once(
-        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Future[Any]:
-        call, ticket = self._call(method, args, kwargs)
+    def _send_once(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   timeout: float | None = None) -> Future[Any]:  # fmt: skip
+        call, ticket = self._call(method, args, kwargs, timeout)
         with self._family.sending(ticket):
             fut = _calls.send(call)
         if self._family.restarts_here():  # a death it meets: the next call waits for the heal
-            return _noting_death(fut, self._family, call.args[0])  # type: ignore[index]
+            return _noting_death(fut, self._family, call.args[-1])  # type: ignore[index]
         return fut
 
     def _retry_options(self, method: str) -> tuple[int, Retryable]:
@@ -266,8 +275,8 @@ class RemoteObject(Generic[T]):
         """
         self._check_method(method)  # a wrong name fails here, at once
         label = f"{self.cls.__qualname__ if self.cls else 'object'}.{method}()"
-        call = _calls.check("stream", self.owner, _invoke_stream, (self.rref, method, args,
-                            kwargs), None, self._timeout, label)  # fmt: skip
+        call = _calls.check("stream", self.owner, _invoke_stream, (method, args, kwargs,
+                            self.rref), None, self._timeout, label)  # fmt: skip
         return Stream(call, self._window)
 
     def to_here(self) -> T:
@@ -293,25 +302,27 @@ class RemoteObject(Generic[T]):
     def _timed(self, timeout: float) -> RemoteObject[T]:
         return self if timeout == _calls.UNSET_RPC_TIMEOUT else self.options(timeout=timeout)
 
-    def _call(
-        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[_calls.Call, list[Any]]:
+    def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              timeout: float | None = None) -> tuple[_calls.Call, list[Any]]:  # fmt: skip
         """One method call, checked, through the owner's mailbox; its ticket is numbered
-        as it is sent (`Family.sending`)."""
+        as it is sent (`Family.sending`). `timeout`: the handle's, unless given."""
         self._check_method(method)
-        ticket: list[Any] = [0, -1, self._mailbox]  # stream and number: as it is sent
+        seconds = self._timeout if timeout is None else timeout
+        ticket: list[Any] = [0, -1, self._mailbox, 0.0]  # stream and number: as it is sent
         label = f"{self.cls.__qualname__ if self.cls else 'object'}.{method}()"
         rref, owner = self._target()
         try:
-            call = _calls.check("call", owner, invoke, (rref, method, args, kwargs, ticket), None,
-                                self._timeout, label)  # fmt: skip
+            call = _calls.check("call", owner, invoke, (method, args, kwargs, ticket, rref), None,
+                                seconds, label)  # fmt: skip
         except WorkerUnreachableError as exc:  # its owner died, and is being replaced
             if isinstance(exc, WorkerLeftError) or not self._family.may_restart():
                 raise
             await_notice(rref)  # the death known here: the object is rebuilt next
             rref, owner = self._target()
-            call = _calls.check("call", owner, invoke, (rref, method, args, kwargs, ticket), None,
-                                self._timeout, label)  # fmt: skip
+            call = _calls.check("call", owner, invoke, (method, args, kwargs, ticket, rref), None,
+                                seconds, label)  # fmt: skip
+        # How long it may wait for its turn: a call whose caller gave up never starts.
+        ticket[3] = _torch.default_timeout() if call.seconds < 0 else call.seconds
         return call, ticket
 
     def _call_on_owner(self, func: Callable[..., Any], label: str) -> _calls.Call:

@@ -143,6 +143,22 @@ def test_cancelling_a_call_that_waits_for_its_turn(world: asyncrpc.Context) -> N
     assert tally.call("state")[1] == [1]
 
 
+def test_a_call_that_timed_out_waiting_for_its_turn_never_runs(
+    world: asyncrpc.Context,
+) -> None:
+    tally = asyncrpc.spawn("worker2", Tally)
+    busy = tally.call_async("slow", 1.0)
+    impatient = tally.options(timeout=0.3)
+    with pytest.raises(asyncrpc.CallTimeoutError, match=r"Tally.add\(\)"):
+        impatient.call("add", 0)  # its caller gave up: it must not run later
+    late = impatient.call_async("add", 1)
+    patient = tally.call_async("add", 2)  # the default timeout: it runs, in its turn
+    with pytest.raises(asyncrpc.CallTimeoutError):
+        late.wait()
+    assert busy.wait() == 1.0 and patient.wait() == 1
+    assert tally.call("state")[1] == [2]  # only the call whose caller still waited ran
+
+
 class Blocked:
     async def until_cancelled(self) -> str:
         try:
@@ -164,6 +180,49 @@ def test_cancel_reaches_an_async_method_at_its_await(world: asyncrpc.Context) ->
     with pytest.raises(asyncrpc.CancelledError):
         fut.wait()  # at once; the cancel reaches the owner through the store meanwhile
     assert until(lambda: blocked.call("seen_cancel")) is True
+
+
+async def one() -> int:
+    await asyncio.sleep(0)
+    return 1
+
+
+async def asks_its_own_worker(name: str) -> str:
+    try:
+        asyncrpc.rpc_sync(name, one, timeout=20)  # would wait for this coroutine's loop
+    except asyncrpc.NestedCallError as exc:
+        return f"refused: {exc}"
+    return "ran"
+
+
+class Loopy:
+    async def inner(self) -> int:
+        return 1
+
+    def plain(self) -> int:
+        return 2
+
+    async def outer(self, me: asyncrpc.RemoteObject[Loopy]) -> list[object]:
+        seen: list[object] = [await me.call_async("inner")]  # awaiting: fine
+        seen.append(me.call("plain"))  # a sync method runs on a thread: no wait for the loop
+        try:
+            me.call("inner")
+        except asyncrpc.NestedCallError as exc:
+            seen.append(str(exc))
+        return seen
+
+
+def test_a_coroutine_may_not_block_on_a_coroutine_of_its_own_worker(
+    world: asyncrpc.Context,
+) -> None:
+    started = time.monotonic()
+    said = asyncrpc.rpc_sync("worker1", asks_its_own_worker, args=("worker1",))
+    assert said.startswith("refused: a blocking call of ") and "await" in said, said
+    assert asyncrpc.rpc_sync("worker1", asks_its_own_worker, args=("worker2",)) == "ran"
+    loopy = asyncrpc.spawn("worker2", Loopy)
+    seen = loopy.call("outer", loopy)
+    assert seen[:2] == [1, 2] and "Loopy.inner()" in str(seen[2]), seen
+    assert time.monotonic() - started < 10  # refused at once, not at a timeout
 
 
 def test_actor_options_are_checked() -> None:
@@ -314,6 +373,11 @@ class Flaky:
     def reset(self) -> None:
         self.attempts = 0
 
+    def always(self, seconds: float) -> int:
+        self.attempts += 1
+        time.sleep(seconds)
+        raise ConnectionError(self.attempts)
+
 
 def test_a_method_is_retried_as_it_says(world: asyncrpc.Context) -> None:
     flaky = asyncrpc.spawn("worker2", Flaky)
@@ -352,6 +416,22 @@ def test_options_override_the_methods_retries(world: asyncrpc.Context) -> None:
         flaky.options(retry_exceptions=[1])  # type: ignore[list-item]
 
 
+def test_the_timeout_bounds_all_the_attempts_of_a_call(world: asyncrpc.Context) -> None:
+    flaky = asyncrpc.spawn("worker1", Flaky)
+    forever = flaky.options(max_retries=-1, retry_exceptions=True, timeout=0.8)
+    for wait in (
+        lambda: forever.call("always", 0.1),
+        lambda: forever.call_async("always", 0.1).wait(),
+    ):
+        flaky.call("reset")
+        started = time.monotonic()
+        with pytest.raises(asyncrpc.CallTimeoutError, match=r"within its timeout \(0.8 s\)") as e:
+            wait()
+        assert time.monotonic() - started < 3.0  # not forever, not a full timeout per attempt
+        assert isinstance(e.value.__cause__, ConnectionError)  # the last attempt's error
+        assert 2 <= flaky.to_here().attempts <= 9  # retried, while time was left
+
+
 # ---- restarts and retries across deaths, in a world that heals ------------------------------
 
 
@@ -369,6 +449,9 @@ def test_objects_restart_and_calls_retry_across_deaths() -> None:
         "no max_restarts: lost: ok",
         "retried on the replacement: ok",
         "not retried where not asked: ok",
+        "a copy from its creator: ok",
+        "outlives its creator: ok",
+        "its creator gone: lost: ok",
         "hypothesis: 12 examples",
     ):
         assert line in result.stdout, result.stdout

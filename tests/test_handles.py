@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import math
 import re
 import threading
@@ -126,8 +127,9 @@ def test_options_set_the_timeout_of_every_verb(world: asyncrpc.Context) -> None:
         counter.call_remote("slow", 2.0).to_here(timeout=0.3)
     with pytest.raises(ValueError, match=r"-2"):
         counter.options(timeout=-2)
-    # One call at a time: the three slow calls (2 s each) still run, one after the
-    # other, and a call's timeout counts its wait for its turn.
+    # One call at a time, and a call's timeout counts its wait for its turn: the
+    # first and the remote slow call run (2 s each), one after the other; the
+    # second timed out while it waited, so it never starts.
     assert counter.options(timeout=30).call("slow", 0.0) == 0
 
 
@@ -315,3 +317,15 @@ def test_parameter_server_example_trains(mode: str, steps: int) -> None:
         # model onto the plateau at about 0.37 that docs/benchmarks.md shows for
         # immediate updates (seen in CI under load). It must not blow up.
         assert math.isfinite(last) and last < 1.25 * first, result.stdout
+
+
+@pytest.mark.subprocess
+def test_an_argument_that_cannot_be_pickled_forks_nothing_shutdown_would_wait_for() -> None:
+    # Before, torch forked the object's RRef, then failed on the argument: the fork,
+    # never sent, held the world's end for torch's 100 s.
+    done = run_program("python", str(PROGRAMS / "unsendable_argument.py"), timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    refused = {v: "SerializationError" for v in ("call", "call_async", "call_remote", "stream")}
+    assert {k: result[k] for k in refused} == refused and result["after"] == 1
+    assert result["seconds"] < 40, result

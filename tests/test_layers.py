@@ -70,6 +70,7 @@ CORE_TIERS: dict[str, list[str]] = {
         "_loop",
         "_sendable",
         "_execution",
+        "_job",
         "_mailbox",
         "_calls",
         "_stream_items",

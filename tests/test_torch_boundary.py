@@ -225,10 +225,15 @@ def plain(x: int) -> int:
     return x
 
 
+def world_settings_timeout() -> float:
+    return float(torch.distributed.rpc.get_rpc_timeout())  # type: ignore[attr-defined]
+
+
 def test_agent_and_its_options(world: asyncrpc.Context) -> None:
     assert _torch.agent_running()
     assert [info.name for info in _torch.worker_infos()] == list(world.names)
     assert _torch.agent_threads() == asyncrpc.Settings().num_worker_threads
+    assert _torch.default_timeout() == world_settings_timeout() > 0
     assert torch.distributed.rpc.api._get_current_rpc_agent() is _torch.current_agent()
     assert _torch.current_agent() is _torch.current_agent()  # adoption's cache key
 

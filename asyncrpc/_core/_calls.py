@@ -45,10 +45,10 @@ from typing import Any, NamedTuple, TypeAlias, TypeVar, overload
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from . import _activity, _hang, _runtime, _torch, _world
-from ._cancel import Sent, new_key
+from . import _activity, _hang, _loop, _runtime, _torch, _world
+from ._cancel import KEY_BITS, Sent, new_key
 from ._errors import NestedCallError, UnknownWorkerError
-from ._execution import Kind, classify, run_python, run_python_async
+from ._execution import Kind, classify, run_python, run_python_async, runs_on_loop
 from ._failures import check_reply, label_of, raise_unsendable
 from ._futures import check_seconds
 from ._reply import Reply
@@ -297,6 +297,7 @@ def call_sync(call: Call, sending: AbstractContextManager[None] | None = None) -
 
     `sending`: held while the call is sent, not while its reply is waited for.
     """
+    _refuse_waiting_for_own_loop(call)
     with holding_rpc_thread(call.worker, call.label):
         outgoing = _activity.sent(call.worker, call.label, call.sent.key)
         failed = True
@@ -411,7 +412,24 @@ def _wrapped(
     return runner, (traced, args or (), dict(kwargs or {}), key), None
 
 
-# ---- blocking calls from RPC threads --------------------------------------------------
+# ---- blocking calls from RPC threads and from the event loop ---------------------------
+
+
+def _refuse_waiting_for_own_loop(call: Call) -> None:
+    """A coroutine that waits, blocking, for a coroutine of its own worker waits forever.
+
+    Both need the worker's one event loop, which the waiting one holds; without
+    this the call would only end at its timeout.
+    """
+    if call.sent.callee != call.sent.key >> KEY_BITS or not _loop.in_loop():
+        return
+    if runs_on_loop(call.func, call.args):
+        raise NestedCallError(
+            f"a blocking call of {label_of(call.label)} on {call.worker!r}, this worker, from "
+            "inside a coroutine would wait forever: both need this worker's event loop, which "
+            "the waiting coroutine holds; write `await` (await asyncrpc.rpc_async(...), "
+            "await handle.call_async(...)) instead of the blocking call"
+        )
 
 
 class holding_rpc_thread:

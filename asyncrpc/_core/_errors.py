@@ -289,7 +289,9 @@ class NestedCallError(AsyncRPCError, RuntimeError):
     torch runs incoming calls on a fixed pool of RPC threads; when every one of
     them waits in a nested `rpc_sync`, nothing is left to process the replies,
     and the worker stalls until each call times out. asyncrpc refuses the call
-    that would take the last thread instead.
+    that would take the last thread instead. Likewise a coroutine's blocking
+    call to a coroutine of its own worker: both need the worker's one event
+    loop, which the waiting coroutine holds (`await` the call instead).
     """
 
 

@@ -36,7 +36,7 @@ import inspect
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -51,6 +51,7 @@ from ._world import current_world, describe_self
 
 __all__ = [
     "DESCRIBE_CALL",
+    "ON_LOOP",
     "ON_SKIPPED",
     "Kind",
     "async_execution",
@@ -60,6 +61,7 @@ __all__ = [
     "outcome_of",
     "run_python",
     "run_python_async",
+    "runs_on_loop",
     "settle_future",
     "start_coroutine",
     "torch_called",
@@ -110,6 +112,21 @@ def _classify(func: object) -> Kind:
 def _is_coroutine_function(func: object) -> bool:
     call = None if inspect.isroutine(func) else getattr(func, "__call__", None)  # noqa: B004
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(call)
+
+
+def runs_on_loop(func: object, args: Sequence[Any] | None = ()) -> bool:
+    """Whether a call of `func(*args)` runs as a coroutine on its worker's event loop.
+
+    A runner's function may answer for itself (`ON_LOOP`: a handle's method call
+    runs on the loop when the method is a coroutine function).
+    """
+    answer = getattr(func, ON_LOOP, None)
+    if answer is not None:
+        try:
+            return bool(answer(*(args or ())))
+        except Exception:  # only a question: never fail the call for it
+            return False
+    return _is_coroutine_function(func) or _is_coroutine_function(_torch.async_target(func))
 
 
 # ---- the runners: what an asyncrpc call runs on the callee ---------------------------
@@ -223,6 +240,8 @@ DESCRIBE_CALL = "_asyncrpc_describe_call"
 # ... and what to do with a call of it that was cancelled before it started, which
 # never runs it: a mailbox's call gives up its place in its caller's order (_mailbox).
 ON_SKIPPED = "_asyncrpc_on_skipped"
+# ... and whether a call of it runs on the event loop (see `runs_on_loop`).
+ON_LOOP = "_asyncrpc_on_loop"
 
 
 def _called(func: Callable[..., Any], args: tuple[Any, ...]) -> object:

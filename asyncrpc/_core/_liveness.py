@@ -180,7 +180,6 @@ def report_exits(
     gives the workers of ranks `elsewhere` (other nodes) up to `timeout` s to read it.
     """
     space = _space(store, tag)
-    reported = False
     for rank, pid, exitcode in failed:
         try:
             key = f"node/{rank}"
@@ -191,11 +190,14 @@ def report_exits(
         first = _claim(space, record)
         if first == record:
             print(f"asyncrpc: {record}", file=sys.stderr, flush=True)
-            reported = True
         elif exitcode != -signal.SIGTERM:  # SIGTERM: stopped by a launcher after `first`
             print(f"asyncrpc: {record}, after {first}", file=sys.stderr, flush=True)
 
-    if reported and elsewhere:
+    # Whoever wrote the record (this launcher, or a worker whose `main` raised,
+    # which records its own failure before it exits), the other nodes' workers
+    # must read it before the store ends with this launcher: else they see only
+    # that the store is gone.
+    if failed and elsewhere:
         _wait_for(space, [f"seen/{rank}" for rank in elsewhere], TIMEOUT_S)
 
 

@@ -2,7 +2,8 @@
 
 Every method call through a handle carries a ticket: the stream of the
 handle (one per handle and worker, shared by its copies), the call's
-number in it, and the object's concurrency options. The owner keeps one
+number in it, the object's concurrency options and the call's timeout.
+The owner keeps one
 `Mailbox` per object, found by its RRef's id; it starts the calls of a
 stream in the order they were sent, and at most a group's limit at once::
 
@@ -24,7 +25,9 @@ Limits: a named group's own (`concurrency_groups`); in the default group,
 def`, or `async_execution` returning a Future), counted apart: a sync call
 may run beside the object's async ones.
 A call cancelled while it waits gives up its place at once; one cancelled
-before it arrived gives up its number in the stream (`ON_SKIPPED`).
+before it arrived gives up its number in the stream (`ON_SKIPPED`). A call
+whose turn comes after its timeout (counted from its arrival, so its caller
+has already given up on it) never starts: it gives its turn to the next.
 """
 
 from __future__ import annotations
@@ -32,9 +35,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import difflib
-import inspect
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -42,23 +44,18 @@ from typing import Any, NamedTuple
 from torch.futures import Future
 
 from . import _cancel, _runtime, _torch
-from ._errors import CancelledError
 from ._execution import (
     DESCRIBE_CALL,
+    ON_LOOP,
     ON_SKIPPED,
     Kind,
-    call_capturing,
-    cancelled_error,
     classify,
     made_early,
-    outcome_of,
-    settle_future,
-    start_coroutine,
+    runs_on_loop,
     torch_called,
 )
 from ._failures import Failure
-from ._futures import new_future
-from ._sendable import check_sendable
+from ._job import Job, no_method
 
 __all__ = (
     "ASYNC_LIMIT",
@@ -92,13 +89,21 @@ def method_group(cls: type, name: str) -> str:
 # ---- the owner's entry: what a handle's method call runs -----------------------------
 
 
-def invoke(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-           ticket: list[Any]) -> Future[Any]:  # fmt: skip
-    """Run `obj.name(*args, **kwargs)` when the object's mailbox lets it; a Future of it."""
+def invoke(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: list[Any],
+           rref: Any) -> Future[Any]:  # fmt: skip
+    """Run `obj.name(*args, **kwargs)` when the object's mailbox lets it; a Future of it.
+
+    The RRef comes last: the caller pickles it last, after the arguments, so an
+    argument that cannot be pickled fails the send before torch forks the RRef
+    (a fork never sent would hold torch's shutdown until its timeout).
+    """
     for_torch = torch_called()
     obj = rref.local_value()
     box = _runtime.part(Mailboxes).find(rref, obj, ticket[2])
-    job = _Job(box, obj, name, args, kwargs)
+    job = Job(box, obj, name, args, kwargs)
+    patience = ticket[3] if len(ticket) > 3 else 0.0
+    if patience > 0:  # counted from here: the caller's own deadline passed before it
+        job.deadline = time.monotonic() + patience
     state = _cancel.current()
     if state is not None and _cancel.claim(state, job.cancel):
         job.state = state
@@ -106,19 +111,26 @@ def invoke(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     return made_early(job.out, for_torch)
 
 
-def _skipped(rref: Any, name: str, args: Any, kwargs: Any, ticket: list[Any]) -> None:
+def _skipped(name: str, args: Any, kwargs: Any, ticket: list[Any], rref: Any) -> None:
     """A call cancelled before it arrived: its number in the stream is let through."""
     box = _runtime.part(Mailboxes).find(rref, rref.local_value(), ticket[2])
     box.admit(None, ticket[0], ticket[1])
 
 
-def _describe(rref: Any, name: str, *_: Any) -> str:
+def _describe(name: str, args: Any, kwargs: Any, ticket: list[Any], rref: Any) -> str:
     return f"{type(rref.local_value()).__qualname__}.{name}()"
+
+
+def _on_loop(name: str, args: Any, kwargs: Any, ticket: list[Any], rref: Any) -> bool:
+    """Asked on the owner (a call to this worker): is the method a coroutine function?"""
+    method = getattr(type(rref.local_value()), name, None)
+    return method is not None and runs_on_loop(method)
 
 
 _torch.mark_async(invoke, invoke)
 setattr(invoke, DESCRIBE_CALL, _describe)
 setattr(invoke, ON_SKIPPED, _skipped)
+setattr(invoke, ON_LOOP, _on_loop)
 
 
 # ---- the mailboxes of this worker's objects -------------------------------------------
@@ -145,7 +157,7 @@ class Mailboxes:
                     weakref.finalize(obj, self.boxes.pop, key, None)
             return box
 
-    def run_later(self, job: _Job) -> None:
+    def run_later(self, job: Job) -> None:
         try:
             self.submit(job.run)
         except RuntimeError:  # the world has ended
@@ -175,7 +187,7 @@ class _Order:
 
     def __init__(self) -> None:
         self.next = 0
-        self.early: dict[int, _Job | None] = {}
+        self.early: dict[int, Job | None] = {}
 
 
 class _Group:
@@ -184,7 +196,7 @@ class _Group:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.running = 0
-        self.waiting: collections.deque[_Job] = collections.deque()
+        self.waiting: collections.deque[Job] = collections.deque()
 
 
 class Mailbox:
@@ -200,7 +212,7 @@ class Mailbox:
         self.groups: dict[tuple[str, bool], _Group] = {}
         self.kinds: dict[str, tuple[tuple[str, bool], bool]] = {}  # method -> _group_of
 
-    def admit(self, job: _Job | None, stream: int, number: int) -> None:
+    def admit(self, job: Job | None, stream: int, number: int) -> None:
         """Take a call (None: a skipped number), and start what may start now."""
         with self.lock:
             through = self._let_through(job, stream, number)
@@ -214,7 +226,7 @@ class Mailbox:
         if here is not None:
             here.run()
 
-    def done(self, job: _Job) -> None:
+    def done(self, job: Job) -> None:
         """`job` has ended: its group's next waiting calls start."""
         with self.lock:
             group = self.groups[job.group]
@@ -229,7 +241,7 @@ class Mailbox:
         for ready in start:
             self._start(ready, here=False)
 
-    def _let_through(self, job: _Job | None, stream: int, number: int) -> list[_Job]:
+    def _let_through(self, job: Job | None, stream: int, number: int) -> list[Job]:
         if stream == 0:  # a caller that keeps no order
             return [job] if job is not None else []
         order = self.streams.setdefault(stream, _Order())
@@ -245,7 +257,7 @@ class Mailbox:
                 through.append(early)
         return through
 
-    def _take_place(self, job: _Job) -> bool:
+    def _take_place(self, job: Job) -> bool:
         job.group, job.is_async = self._group_of(job.name)
         group = self.groups.get(job.group)
         if group is None:
@@ -273,7 +285,7 @@ class Mailbox:
             return self.limits.get(group, self.max_concurrency or 1)
         return self.max_concurrency or (ASYNC_LIMIT if is_async else 1)
 
-    def _start(self, job: _Job, here: bool) -> None:
+    def _start(self, job: Job, here: bool) -> None:
         if here or job.is_async:  # an async method only starts (its Task, its Future)
             job.run()
         else:
@@ -283,112 +295,3 @@ class Mailbox:
 def _is_async_method(attr: object) -> bool:
     """Whether `attr` runs without holding a thread: an `async def`, or async_execution."""
     return attr is not None and classify(attr) is Kind.ASYNC
-
-
-# ---- one call ---------------------------------------------------------------------------
-
-
-class _Job:
-    """One method call in a mailbox: waits for its turn, runs, replies through `out`."""
-
-    __slots__ = ("args", "box", "ended", "group", "inner", "is_async", "kwargs", "name", "obj",
-                 "out", "placed", "started", "state")  # fmt: skip
-
-    def __init__(self, box: Mailbox, obj: object, name: str, args: Any, kwargs: Any) -> None:
-        self.box, self.obj, self.name = box, obj, name
-        self.args, self.kwargs = args, kwargs
-        self.out = new_future()
-        self.state: _cancel.Running | None = None
-        self.group = ("", False)
-        self.is_async = self.placed = self.started = self.ended = False
-        self.inner: Any = None  # the Future an async method's call waits for
-
-    @property
-    def label(self) -> str:
-        return f"{self.box.cls.__qualname__}.{self.name}()"
-
-    def run(self) -> None:
-        """Start the method (on whichever thread its turn came)."""
-        with self.box.lock:
-            if self.ended:
-                return
-            self.started = True
-        outer = _cancel.enter(self.state)
-        try:
-            result = self._call()
-        finally:
-            _cancel.enter(outer)
-        if isinstance(result, _torch.FutureType):
-            self.inner = result
-            result.add_done_callback(self._inner_done)
-            if self.state is not None and self.state.cancelled:
-                _torch.cancel(result)  # cancelled while it started
-        else:
-            self.finish(result)
-
-    def _call(self) -> Any:
-        thread = _runtime.THREAD
-        thread.asked, thread.made = True, None  # async_execution methods reply our way
-        try:
-            method = getattr(self.obj, self.name, None)
-            if not callable(method):
-                raise AttributeError(no_method(self.box.cls, self.name, method))
-            result = call_capturing(method, self.args, self.kwargs, self.label)
-        except AttributeError as exc:
-            result = call_capturing(_raise, (exc,), {}, self.label)
-        finally:
-            made, thread.asked, thread.made = thread.made, False, None
-        if inspect.iscoroutine(result):
-            return start_coroutine(result, self.label, within=self.state)
-        if isinstance(result, _torch.FutureType) and result is not made:
-            return settle_future(result, self.label)
-        return result
-
-    def _inner_done(self, fut: Future[Any]) -> None:
-        self.finish(outcome_of(fut, self.label))
-
-    def finish(self, value: Any) -> None:
-        """The call's outcome: its group's place goes to the next, then the reply."""
-        with self.box.lock:
-            if self.ended:
-                return
-            self.ended = True
-            placed = self.placed
-        state = self.state
-        if state is not None:
-            if state.cancelled and not _is_cancelled(value):
-                value = Failure(cancelled_error(self.label))
-            _cancel.end(state)
-        if placed:  # its place in its group goes to the next
-            self.box.done(self)
-        self.out.set_result(check_sendable(value, self.label))
-        self.obj = self.args = self.kwargs = self.inner = None  # nothing kept once replied
-
-    def cancel(self) -> bool:
-        """Cancelled: a waiting call ends now; a running one as its method allows."""
-        with self.box.lock:
-            if self.ended:
-                return False
-            started, inner = self.started, self.inner
-        if not started:
-            self.finish(Failure(cancelled_error(self.label, before=True)))
-        elif inner is not None:
-            _torch.cancel(inner)  # an async method stops at its await
-        return True
-
-
-def no_method(cls: type, name: str, attr: object) -> str:
-    """What to say when `cls` has no method `name` (`attr`: what it has by that name)."""
-    names = [n for n in dir(cls) if not n.startswith("_")]
-    close = difflib.get_close_matches(name, names, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    what = "has no method" if attr is None else "has an attribute, not a method, named"
-    return f"{cls.__name__} {what} {name!r}; {hint}pass a method name: handle.call('name', *args)"
-
-
-def _is_cancelled(value: object) -> bool:
-    return isinstance(value, Failure) and isinstance(value.error, CancelledError)
-
-
-def _raise(exc: BaseException) -> None:
-    raise exc

@@ -61,6 +61,7 @@ __all__ = [
     "Replaced",
     "Settings",
     "current_context",
+    "heals",
     "on_replaced",
     "shutdown",
     "start",
@@ -134,11 +135,17 @@ def running() -> World | None:
     one. Example::
 
         world = _world.running()
-        if world is not None and world.members is not None:  # a world that heals
+        if world is not None and world.settings is not None:  # a world asyncrpc started
             ...
     """
     world: World | None = _runtime.SLOT.runtime.world  # as running_world() reads it
     return world
+
+
+def heals() -> bool:
+    """Whether the world running here heals: a dead worker is replaced (`restart="worker"`)."""
+    world = running()
+    return world is not None and world.members is not None
 
 
 def current_world(what: str) -> World:

@@ -146,6 +146,37 @@ def death_retried() -> None:
     up("worker1")
 
 
+def spawn_here() -> asyncrpc.RemoteObject[Keeper]:
+    """On worker2: create an object on worker1; its handle goes back to worker0."""
+    return asyncrpc.spawn("worker1", Keeper, 100)
+
+
+def die_here() -> None:
+    os._exit(3)
+
+
+def creator_dies() -> None:
+    """The creator keeps the recipe, as a Ray actor's owner: past its death, no restart."""
+    keeper = asyncrpc.rpc_sync("worker2", spawn_here)
+    check("a copy from its creator", keeper.call("add", 1) == 101)
+    try:
+        asyncrpc.rpc_sync("worker2", die_here)
+    except asyncrpc.WorkerUnreachableError:
+        pass
+    up("worker2")
+    check("outlives its creator", keeper.call("add", 1) == 102)
+    try:
+        keeper.call("die")
+    except asyncrpc.WorkerUnreachableError:
+        pass
+    try:
+        keeper.call("add", 1)
+        check("its creator gone: lost", False)
+    except asyncrpc.ObjectLostError as exc:
+        check("its creator gone: lost", True, type(exc).__name__)
+    up("worker1")
+
+
 OUTCOME = st.sampled_from(["done", "ValueError", "KeyError", "die"])
 RETRY_ON: list[Any] = [False, True, (ValueError,)]
 
@@ -202,6 +233,7 @@ def main(ctx: asyncrpc.Context, examples: int) -> None:
     asyncrpc.on_replaced(REPLACED.append)
     restarts()
     death_retried()
+    creator_dies()
     prove(examples, asyncrpc.spawn("worker1", Keeper, 0))
 
 

@@ -35,6 +35,7 @@ __all__ = (
     "backend_options",
     "close_pipe",
     "current_agent",
+    "default_timeout",
     "failing_fast",
     "forget_member",
     "group_key_prefix",
@@ -74,6 +75,11 @@ def worker_info(name: str) -> WorkerInfo:
 def own_id() -> int:
     """This process's torch id in its agent's group."""
     return int(current_agent().get_worker_info().id)
+
+
+def default_timeout() -> float:
+    """The timeout, in seconds, a call given torch's -1 (the default) gets (0: none)."""
+    return float(_rpc_c.get_rpc_timeout())
 
 
 def agent_threads(default: int = 16) -> int:

@@ -26,7 +26,12 @@ __all__ = (
 
 
 def is_rpc_thread() -> bool:
-    """True on one of torch's RPC threads (C++ threads: Python sees them as dummies)."""
+    """True on one of torch's RPC threads (C++ threads: Python sees them as dummies).
+
+    Asking makes Python register a `_DummyThread` ("Dummy-N") for each torch
+    thread that calls into Python, once: as many as torch has threads, kept
+    until the process ends (never one per call).
+    """
     return isinstance(threading.current_thread(), threading._DummyThread)
 
 
