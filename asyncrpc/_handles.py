@@ -24,6 +24,7 @@ call on the handle raises that error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, Generic, ParamSpec, TypeVar
@@ -41,10 +42,15 @@ from ._actor import (
     sendable_class,
 )
 from ._core import _calls, _hooks, _torch
-from ._core._errors import ObjectLostError, WorkerLeftError, WorkerUnreachableError
+from ._core._errors import (
+    ObjectLostError,
+    SerializationError,
+    WorkerLeftError,
+    WorkerUnreachableError,
+)
 from ._core._failures import hold
 from ._core._futures import new_future
-from ._core._mailbox import invoke, no_method
+from ._core._mailbox import invoke, no_method, skip_turn
 from ._core._stream import DEFAULT_WINDOW, Stream, check_window
 from ._family import Family, family_for, my_name
 from ._retry import await_notice, call_async_retrying, call_retrying
@@ -83,6 +89,25 @@ def _parameter_rrefs(rref: rpc.RRef[torch.nn.Module]) -> list[rpc.RRef[torch.Ten
 def type_of(rref: rpc.RRef[Any]) -> type:
     """On the owner: the class of the object `rref` holds."""
     return type(rref.local_value())
+
+
+def _read_for_unread(call: _calls.Call, ticket: list[Any], fut: Future[Any]) -> None:
+    """A handle's call_async ended: if the owner could not unpickle it, give its turn back."""
+    ok, value = _torch.outcome(fut)
+    error = value if not ok else getattr(value, "error", None)
+    if isinstance(error, BaseException):
+        _give_back_unread(call, ticket, error)
+
+
+def _give_back_unread(call: _calls.Call, ticket: list[Any], error: BaseException) -> None:
+    """A call whose arguments its owner could not unpickle never reached the object's
+    mailbox: its number there is given back, or the handle's next calls would wait for it."""
+    if _torch.failure_kind(error.__cause__ or error) != "unreadable":
+        return
+    skip = _calls.check("call", call.worker, skip_turn, (ticket, call.args[-1]), None, None,  # type: ignore[index]
+                        "a turn given back")  # fmt: skip
+    with contextlib.suppress(Exception):  # the owner is gone: nobody waits for the turn
+        _calls.send(skip, cancellable=False)
 
 
 # ---- caller side ---------------------------------------------------------------------
@@ -235,12 +260,16 @@ class RemoteObject(Generic[T]):
         except WorkerUnreachableError:
             self._family.suspect(call.args[-1])  # type: ignore[index]
             raise
+        except SerializationError as exc:
+            _give_back_unread(call, ticket, exc)
+            raise
 
     def _send_once(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                    timeout: float | None = None) -> Future[Any]:  # fmt: skip
         call, ticket = self._call(method, args, kwargs, timeout)
         with self._family.sending(ticket):
             fut = _calls.send(call)
+        _torch.add_callback(fut, functools.partial(_read_for_unread, call, ticket))
         if self._family.restarts_here():  # a death it meets: the next call waits for the heal
             return _noting_death(fut, self._family, call.args[-1])  # type: ignore[index]
         return fut

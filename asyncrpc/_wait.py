@@ -20,6 +20,7 @@ from typing import Any
 
 from torch.futures import Future
 
+from ._core import _torch
 from ._core._futures import as_futures
 
 __all__ = ("wait",)
@@ -49,7 +50,9 @@ def wait(
     As Ray's `ray.wait`: `done` holds at most `num_returns` of the Futures
     given (done with a value or an error, read them to know), `pending` the
     rest; both keep the order given. `timeout=None` waits as long as it
-    takes, and, as in Ray, `timeout=0` does not wait at all. In an `async
+    takes, and, as in Ray, `timeout=0` does not wait at all. A wait that
+    would block on a Future that can never complete (a call of a `Batch` not
+    sent yet) raises at once, as reading it does. In an `async
     def`, await instead: `asyncio.wait(futures, return_when=...)` (torch
     Futures are awaitable there).
 
@@ -70,6 +73,9 @@ def wait(
     for fut in items:
         fut.add_done_callback(notify)
     with waiter.cond:
+        if waiter.count < num_returns and timeout != 0:
+            for fut in items:  # one that can never complete (an unsent Batch's): fail now
+                _torch.check_guard(fut)
         waiter.cond.wait_for(lambda: waiter.count >= num_returns, timeout)
     done = [f for f in items if f.done()][:num_returns]
     chosen = {id(f) for f in done}

@@ -195,6 +195,23 @@ async def asks_its_own_worker(name: str) -> str:
     return "ran"
 
 
+async def reads_its_own_futures(name: str) -> list[str]:
+    """Blocking reads on the loop of Futures of this worker's coroutines: refused."""
+    seen = [str(await asyncrpc.rpc_async(name, one))]  # awaiting: fine
+    reads = {
+        "wait": lambda: asyncrpc.rpc_async(name, one).wait(),
+        "gather": lambda: asyncrpc.gather([asyncrpc.rpc_async(name, one)]).wait(),
+        "asyncrpc.wait": lambda: asyncrpc.wait([asyncrpc.rpc_async(name, one)], timeout=20),
+    }
+    for what, read in reads.items():
+        try:
+            read()
+            seen.append(f"{what}: read")
+        except asyncrpc.NestedCallError:
+            seen.append(f"{what}: refused")
+    return seen
+
+
 class Loopy:
     async def inner(self) -> int:
         return 1
@@ -219,6 +236,12 @@ def test_a_coroutine_may_not_block_on_a_coroutine_of_its_own_worker(
     said = asyncrpc.rpc_sync("worker1", asks_its_own_worker, args=("worker1",))
     assert said.startswith("refused: a blocking call of ") and "await" in said, said
     assert asyncrpc.rpc_sync("worker1", asks_its_own_worker, args=("worker2",)) == "ran"
+    assert asyncrpc.rpc_sync("worker1", reads_its_own_futures, args=("worker1",)) == [
+        "1",
+        "wait: refused",
+        "gather: refused",
+        "asyncrpc.wait: refused",
+    ]
     loopy = asyncrpc.spawn("worker2", Loopy)
     seen = loopy.call("outer", loopy)
     assert seen[:2] == [1, 2] and "Loopy.inner()" in str(seen[2]), seen

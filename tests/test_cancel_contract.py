@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import asyncrpc
-from asyncrpc._core import _cancel, _torch
+from asyncrpc._core import _cancel, _execution, _torch
 
 from conftest import until
 
@@ -82,7 +82,8 @@ def still_running() -> list[str]:
     """What the callee runs now, named, for a failure's message (leaving out this call)."""
     asking = _cancel.current()
     return [
-        f"{state.call[0]!r} for {time.monotonic() - state.started:.1f} s"
+        f"{_execution.label_of(_execution._called(*state.call))} {state.call[1]!r:.200} "
+        f"for {time.monotonic() - state.started:.1f} s"
         for state in _cancel.running_calls()
         if state is not asking and state.call
     ]

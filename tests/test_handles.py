@@ -329,3 +329,15 @@ def test_an_argument_that_cannot_be_pickled_forks_nothing_shutdown_would_wait_fo
     refused = {v: "SerializationError" for v in ("call", "call_async", "call_remote", "stream")}
     assert {k: result[k] for k in refused} == refused and result["after"] == 1
     assert result["seconds"] < 40, result
+
+
+@pytest.mark.subprocess
+def test_an_argument_the_owner_cannot_unpickle_fails_alone_and_the_handle_goes_on() -> None:
+    # It never reaches the object's mailbox: its turn is given back, or the handle's
+    # next calls would wait for it until their timeout.
+    done = run_program("python", str(PROGRAMS / "unreadable_argument.py"), timeout=90)
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    refused = "the arguments of Store.put() could not be unpickled on 'worker1'"
+    for verb in ("call", "call_async"):
+        assert result[verb] == refused and result[f"next after {verb}"] == "ran", result
+        assert result[f"next after {verb} s"] < 5, result

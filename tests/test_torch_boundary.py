@@ -424,13 +424,24 @@ def test_options_store_profiler_and_rendezvous_registry() -> None:
     assert "asyncrpc-boundary-test" in rendezvous_handler_registry._registry
 
 
+class Unreadable:
+    """Pickles; its __setstate__ raises where it is unpickled (the callee, for a request)."""
+
+    def __getstate__(self) -> dict[str, int]:
+        return {"x": 1}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        raise ValueError("cannot rebuild Unreadable here")
+
+
 @pytest.mark.parametrize(
     ("call", "kind"),
     [
         (lambda: _torch.rpc_async("worker1", sleepy, args=(2.0,), timeout=0.2).wait(), "timeout"),
         (lambda: _torch.rpc_sync("worker1", give_lock), "unpicklable"),
+        (lambda: _torch.rpc_sync("worker1", repr, args=(Unreadable(),)), "unreadable"),
     ],
-    ids=["timeout", "unpicklable"],
+    ids=["timeout", "unpicklable", "unreadable"],
 )
 def test_torchs_failure_texts_are_recognised(
     world: asyncrpc.Context, call: object, kind: str

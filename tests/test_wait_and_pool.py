@@ -118,3 +118,14 @@ def test_actor_pool_map_starts_over_as_rays_does(world: asyncrpc.Context) -> Non
     empty: asyncrpc.ActorPool[asyncrpc.RemoteObject[Doubler]] = asyncrpc.ActorPool([])
     with pytest.raises(ValueError, match="the pool has no handles"):
         empty.submit(_double, 1)
+
+
+def test_wait_on_a_call_of_an_unsent_batch_raises_at_once(world: asyncrpc.Context) -> None:
+    with asyncrpc.Batch() as batch:
+        unsent = batch.rpc_async("worker1", nap, args=(0.0,))
+        started = time.monotonic()
+        with pytest.raises(asyncrpc.BatchNotSentError):
+            asyncrpc.wait([unsent], timeout=5)  # it could never complete: not a 5 s wait
+        assert time.monotonic() - started < 2.0
+        assert asyncrpc.wait([unsent], timeout=0) == ([], [unsent])  # a poll does not raise
+    assert asyncrpc.wait([unsent]) == ([unsent], []) and unsent.wait() == 0.0  # sent now

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -274,6 +275,8 @@ def send(call: Call, cancellable: bool = True) -> Future[Any]:
             _hang.watch(reply, call.hang_after, _world.side_queues())
         _torch.add_callback(fut, reply)
         fut = out
+        if _needs_own_loop(call):  # read blocking on this worker's loop: it would never end
+            _torch.guard_reads(out, functools.partial(_refuse_on_loop, call), blocking_only=True)
     else:
         _torch.set_unwrap(fut, check_reply)
         _torch.tag_future(fut, call.sent)
@@ -421,9 +424,18 @@ def _refuse_waiting_for_own_loop(call: Call) -> None:
     Both need the worker's one event loop, which the waiting one holds; without
     this the call would only end at its timeout.
     """
-    if call.sent.callee != call.sent.key >> KEY_BITS or not _loop.in_loop():
-        return
-    if runs_on_loop(call.func, call.args):
+    if _loop.in_loop() and _needs_own_loop(call):
+        _refuse_on_loop(call)
+
+
+def _needs_own_loop(call: Call) -> bool:
+    """A call to this worker that runs as a coroutine on its event loop."""
+    return call.sent.callee == call.sent.key >> KEY_BITS and runs_on_loop(call.func, call.args)
+
+
+def _refuse_on_loop(call: Call) -> None:
+    """The guard of such a call's Future: a blocking read of it on the loop would not end."""
+    if _loop.in_loop():
         raise NestedCallError(
             f"a blocking call of {label_of(call.label)} on {call.worker!r}, this worker, from "
             "inside a coroutine would wait forever: both need this worker's event loop, which "

@@ -401,6 +401,12 @@ def name_failure(error: BaseException, worker: str, func: object) -> BaseExcepti
             f"every worker with a GPU (or pass device_maps=...), or send tensor.cpu() to a "
             f"worker without one"
         )
+    elif kind == "unreadable":
+        named = SerializationError(
+            f"the arguments of {label_of(func)} could not be unpickled on {worker!r} "
+            f"({first}), so it did not run; send tensors, plain data or objects of classes "
+            f"{worker!r} can import and rebuild"
+        )
     elif kind == "unimportable":
         named = SerializationError(
             f"the call to {label_of(func)} on {worker!r} carried an object of a class one side "

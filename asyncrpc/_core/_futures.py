@@ -496,7 +496,7 @@ def enable_await() -> None:
 def await_future(fut: Future[Any]) -> Generator[Any, None, Any]:
     """torch Future's `__await__` (see the module doc)."""
     if not fut.done():
-        _torch.check_guard(fut)  # a Future that can never complete fails the await now
+        _torch.check_guard(fut, blocking=False)  # one that can never complete fails now
         loop = _running_loop()
         if loop is None:
             yield fut  # no event loop runs here: whoever drives the coroutine waits for it

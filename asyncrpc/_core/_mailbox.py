@@ -65,6 +65,7 @@ __all__ = (
     "invoke",
     "method_group",
     "no_method",
+    "skip_turn",
 )
 
 ASYNC_LIMIT = 1000  # calls at once on an object with async methods, by default (as Ray)
@@ -109,6 +110,13 @@ def invoke(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: lis
         job.state = state
     box.admit(job, ticket[0], ticket[1])
     return made_early(job.out, for_torch)
+
+
+def skip_turn(ticket: list[Any], rref: Any) -> None:
+    """A call that never reached the mailbox (the owner could not unpickle its arguments):
+    its number in the stream is let through, as its caller asks."""
+    box = _runtime.part(Mailboxes).find(rref, rref.local_value(), ticket[2])
+    box.admit(None, ticket[0], ticket[1])
 
 
 def _skipped(name: str, args: Any, kwargs: Any, ticket: list[Any], rref: Any) -> None:

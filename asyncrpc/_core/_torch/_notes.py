@@ -5,7 +5,9 @@ Held weakly, by Future, in the world's `Notes` part (`_runtime`):
 - tags (`tag_future`): where a Future's call went; a read that fails passes
   torch's error through `Hooks.name_read` with it, and cancel asks the callee;
 - guards (`guard_reads`): a check that raises before a read would block on a
-  Future that can never complete (a Batch call before its Batch is sent);
+  Future that can never complete (a Batch call before its Batch is sent), or
+  before a blocking read only (not an `await`) that would wait for ever (a
+  coroutine's own worker's coroutine, read on that worker's event loop);
 - what a Future is made of (`combine`: gather, chain, with_timeout, wait_all):
   its inputs' guards are its guard, and its cancel cancels them;
 - cancellers (`set_canceller`): what cancelling a Future of asyncrpc's own does.
@@ -42,7 +44,8 @@ class Notes:
 
     def __init__(self) -> None:
         self.tags: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-        self.guards: weakref.WeakKeyDictionary[Any, Callable[[], None]] = (
+        # Per Future: its check, and whether only a blocking read (not an await) runs it.
+        self.guards: weakref.WeakKeyDictionary[Any, tuple[Callable[[], None], bool]] = (
             weakref.WeakKeyDictionary()
         )
         # A Future made of others: its inputs, which its guard checks and its cancel() cancels.
@@ -51,15 +54,18 @@ class Notes:
         # weakly when a bound method: a value that reaches its key would keep it forever.
         self.cancellers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
-    def check_guard(self, fut: Any) -> None:
-        """Raise what a guard of `fut`, or of a Future it is made of, raises."""
+    def check_guard(self, fut: Any, blocking: bool = True) -> None:
+        """Raise what a guard of `fut`, or of a Future it is made of, raises.
+
+        `blocking`: the read would block this thread (False: an `await`).
+        """
         if not self.guards or fut.done():
             return
-        check = self.guards.get(fut)
-        if check is not None:
-            check()
+        found = self.guards.get(fut)
+        if found is not None and (blocking or not found[1]):
+            found[0]()
         for source in self.combined.get(fut, ()):
-            self.check_guard(source)
+            self.check_guard(source, blocking)
 
 
 def tag_future(fut: Any, tag: object) -> None:
@@ -67,9 +73,12 @@ def tag_future(fut: Any, tag: object) -> None:
     _runtime.part(Notes).tags[fut] = tag
 
 
-def guard_reads(fut: Any, check: Callable[[], None]) -> None:
-    """Run `check()` (which may raise) before any read of `fut` that would block."""
-    _runtime.part(Notes).guards[fut] = check
+def guard_reads(fut: Any, check: Callable[[], None], blocking_only: bool = False) -> None:
+    """Run `check()` (which may raise) before any read of `fut` that would block.
+
+    With `blocking_only`, not before an `await` of it.
+    """
+    _runtime.part(Notes).guards[fut] = (check, blocking_only)
 
 
 def combine(fut: Any, inputs: Sequence[Any]) -> None:
@@ -82,9 +91,9 @@ def parts_of(fut: Any) -> list[Any]:
     return list(_runtime.part(Notes).combined.get(fut, ()))
 
 
-def check_guard(fut: Any) -> None:
+def check_guard(fut: Any, blocking: bool = True) -> None:
     """Raise what a guard of `fut`, or of a Future it is made of, raises."""
-    _runtime.part(Notes).check_guard(fut)
+    _runtime.part(Notes).check_guard(fut, blocking)
 
 
 def set_canceller(fut: Any, cancel: Callable[[], bool]) -> None:

@@ -40,6 +40,16 @@ _KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
     # A CUDA tensor to or from a worker with no device map for it (TensorPipe's
     # "Request/Response device mapping is not available for destination").
     ("unmapped", re.compile(r"device mapping is not available|only supports CPU tensors")),
+    # The callee could not unpickle the request (an argument's class it cannot import,
+    # a __setstate__ that raised): the callee's error ("Error on Node N") names torch's
+    # deserialize frame. The call never ran there. (A reply this side cannot unpickle
+    # names that frame too, without the node: unimportable or unpicklable, below.)
+    (
+        "unreadable",
+        re.compile(
+            r"\AError on Node \d+: .*torch/distributed/rpc/internal\.py\(\d+\): deserialize", re.S
+        ),
+    ),
     ("timeout", re.compile(r"ran for more than set timeout|timed out", re.IGNORECASE)),
     (
         "unreachable",
