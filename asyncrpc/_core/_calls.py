@@ -252,7 +252,7 @@ def check_timeout(verb: str, timeout: float | None) -> float:
     """A timeout in torch's terms: torch's -1 (or None) means the world's default."""
     if timeout is None or timeout == UNSET_RPC_TIMEOUT:
         return UNSET_RPC_TIMEOUT
-    return check_seconds(verb, timeout, hint=" (0: no timeout)")
+    return check_seconds(verb, timeout, hint=" (0: no timeout; -1: the world's default)")
 
 
 # ---- sending and reading the reply ----------------------------------------------------

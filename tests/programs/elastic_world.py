@@ -118,14 +118,17 @@ def descriptors(pid: int) -> collections.Counter[str]:
 
 
 def settled_descriptors(
-    pid: int, quiet: float = 2.0, most: float = 6.0
+    pid: int, quiet: float = 2.0, most: float = 6.0, enough: int | None = None
 ) -> collections.Counter[str]:
     """What `pid` holds once its count stopped falling for `quiet` s: a removed worker's
     pipes and store socket close only as it exits, seconds late on a loaded machine;
-    a leak stays."""
+    a leak stays. With `enough`, it waits (up to `most` s) until the count is at most
+    that instead: a removed worker may take longer than `quiet` to exit under load."""
     fewest = descriptors(pid)
     calm_since = started = time.monotonic()
-    while time.monotonic() - calm_since < quiet and time.monotonic() - started < most:
+    while time.monotonic() - started < most and (
+        fewest.total() > enough if enough is not None else time.monotonic() - calm_since < quiet
+    ):
         time.sleep(0.1)
         now = descriptors(pid)
         if now.total() < fewest.total():
@@ -276,7 +279,7 @@ def edges(ctx: asyncrpc.Context) -> None:
     before = settled_descriptors(parent)
     for _ in range(12):
         asyncrpc.remove_workers(*asyncrpc.add_workers(1))
-    after = settled_descriptors(parent)
+    after = settled_descriptors(parent, most=30.0, enough=before.total())
     grown = after.total() - before.total()
     kinds = {k: after.get(k, 0) - before.get(k, 0) for k in {*after, *before}}
     ignoring = asyncrpc.add_workers(1, role="stubborn")[0]
