@@ -20,6 +20,7 @@ every object of a live process holds the count the model predicts.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import functools
 import os
@@ -603,6 +604,9 @@ class BaseModel(RuleBasedStateMachine):
         newborn killed (`_kill_newborn`) may stay. Any other may not.
         """
         for name in ("worker0", SURVIVOR):
+            # A worker's event loop (a thread, an epoll descriptor and a socket pair) is
+            # made once, by the first coroutine it runs: part of the baseline, not growth.
+            asyncrpc.rpc_sync(name, _start_loop, timeout=CALL_S)
             now = asyncrpc.rpc_sync(name, Shared.usage, timeout=CALL_S)
             deadline = time.monotonic() + CLOSE_WAIT_S
             # A heal closes the dead process's pipe by a probe that fails: it may
@@ -639,6 +643,11 @@ class BaseModel(RuleBasedStateMachine):
         for worker in self.workers.values():  # each live process's own list agrees
             pid, ids = asyncrpc.rpc_sync(worker.name, Shared.ran, timeout=CALL_S)
             assert ids == files.get(pid, []), f"{worker.name} (pid {pid}): {ids} vs its file"
+
+
+async def _start_loop() -> None:
+    """Run on a worker: its event loop runs from now on."""
+    await asyncio.sleep(0)
 
 
 def _accepted(usage: dict[str, Any]) -> int:
