@@ -159,6 +159,29 @@ def test_a_call_that_timed_out_waiting_for_its_turn_never_runs(
     assert tally.call("state")[1] == [2]  # only the call whose caller still waited ran
 
 
+def cancel_before_the_mailbox_takes_charge() -> tuple[bool, bool]:
+    """On the owner: a call whose cancel arrived between its start and the mailbox's claim."""
+    from torch.distributed import rpc
+
+    from asyncrpc._core import _cancel
+    from asyncrpc._core._mailbox import Options, invoke
+
+    key = _cancel.new_key(99)
+    state = _cancel.begin(key, (invoke, ()))
+    outer = _cancel.enter(state)
+    try:
+        _cancel.deliver(key)  # the cancel comes first
+        out = invoke("add", (0,), {}, [0, -1, Options(), 0.0], rpc.RRef(Tally()))
+    finally:
+        _cancel.enter(outer)
+    still = any(running.key == key for running in _cancel.running_calls())
+    return out.done(), still
+
+
+def test_a_cancel_before_the_mailbox_takes_charge_ends_the_call(world: asyncrpc.Context) -> None:
+    assert asyncrpc.rpc_sync("worker2", cancel_before_the_mailbox_takes_charge) == (True, False)
+
+
 class Blocked:
     async def until_cancelled(self) -> str:
         try:

@@ -106,8 +106,11 @@ def invoke(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: lis
     if patience > 0:  # counted from here: the caller's own deadline passed before it
         job.deadline = time.monotonic() + patience
     state = _cancel.current()
-    if state is not None and _cancel.claim(state, job.cancel):
-        job.state = state
+    # The job holds its call before it takes charge of its cancel: a cancel that came
+    # first runs job.cancel inside claim, and the job must end the call then.
+    job.state = state
+    if state is not None and not _cancel.claim(state, job.cancel):
+        job.state = None
     box.admit(job, ticket[0], ticket[1])
     return made_early(job.out, for_torch)
 
