@@ -250,7 +250,7 @@ class RemoteObject(Generic[T]):
 
     def _seconds(self) -> float:
         """This handle's timeout in seconds (0: none); with retries it bounds them all."""
-        return _torch.default_timeout() if self._timeout < 0 else self._timeout
+        return _calls.seconds_of(self._timeout)
 
     def _call_once(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                    timeout: float | None = None) -> Any:  # fmt: skip
@@ -351,7 +351,7 @@ class RemoteObject(Generic[T]):
             call = _calls.check("call", owner, invoke, (method, args, kwargs, ticket, rref), None,
                                 seconds, label)  # fmt: skip
         # How long it may wait for its turn: a call whose caller gave up never starts.
-        ticket[3] = _torch.default_timeout() if call.seconds < 0 else call.seconds
+        ticket[3] = _calls.seconds_of(call.seconds)
         return call, ticket
 
     def _call_on_owner(self, func: Callable[..., Any], label: str) -> _calls.Call:

@@ -65,6 +65,7 @@ __all__ = [
     "remote",
     "rpc_async",
     "rpc_sync",
+    "seconds_of",
     "send",
     "send_remote",
     "set_outgoing_hook",
@@ -253,6 +254,11 @@ def check_timeout(verb: str, timeout: float | None) -> float:
     if timeout is None or timeout == UNSET_RPC_TIMEOUT:
         return UNSET_RPC_TIMEOUT
     return check_seconds(verb, timeout, hint=" (0: no timeout; -1: the world's default)")
+
+
+def seconds_of(timeout: float) -> float:
+    """A timeout in torch's terms as seconds: -1 is the world's default, 0 none."""
+    return _torch.default_timeout() if timeout < 0 else timeout
 
 
 # ---- sending and reading the reply ----------------------------------------------------

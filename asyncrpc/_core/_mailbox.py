@@ -102,7 +102,7 @@ def invoke(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: lis
     obj = rref.local_value()
     box = _runtime.part(Mailboxes).find(rref, obj, ticket[2])
     job = Job(box, obj, name, args, kwargs)
-    patience = ticket[3] if len(ticket) > 3 else 0.0
+    patience = ticket[3]
     if patience > 0:  # counted from here: the caller's own deadline passed before it
         job.deadline = time.monotonic() + patience
     state = _cancel.current()
