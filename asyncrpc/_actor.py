@@ -176,7 +176,10 @@ def actor_options(cls: type | None) -> ActorOptions:
 def method_options(cls: type | None, name: str) -> MethodOptions:
     """The options of method `name` of `cls` (set by `asyncrpc.method`), or the defaults."""
     found = getattr(getattr(cls, name, None), METHOD_OPTIONS, None)
-    return found if isinstance(found, MethodOptions) else MethodOptions()
+    return found if isinstance(found, MethodOptions) else _DEFAULTS
+
+
+_DEFAULTS = MethodOptions()
 
 
 def sendable_class(cls: Any) -> Any:

@@ -20,11 +20,10 @@ handle raises `ObjectLostError` as before.
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ._core import _calls, _hooks, _polling, _runtime, _torch, _world
@@ -43,6 +42,25 @@ class Recipe(NamedTuple):
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     max_restarts: int
+
+
+class _Sending:
+    """`Family.sending`: a class, not a generator, as it runs on every handle's call."""
+
+    __slots__ = ("family", "ticket")
+
+    def __init__(self, family: Family, ticket: list[Any]) -> None:
+        self.family, self.ticket = family, ticket
+
+    def __enter__(self) -> None:
+        family = self.family
+        family.lock.acquire()
+        self.ticket[0], self.ticket[1] = family.stream, family.next
+
+    def __exit__(self, kind: object, *_: object) -> None:
+        if kind is None:
+            self.family.next += 1
+        self.family.lock.release()
 
 
 class Family:
@@ -84,14 +102,10 @@ class Family:
         if self.restarts_here() and _world.heals():
             self.suspected = rref
 
-    @contextlib.contextmanager
-    def sending(self, ticket: list[Any]) -> Iterator[None]:
-        """Number `ticket` and hold the order while its call is sent; a failed send
-        gives its number back."""
-        with self.lock:
-            ticket[0], ticket[1] = self.stream, self.next
-            yield
-            self.next += 1
+    def sending(self, ticket: list[Any]) -> _Sending:
+        """Number `ticket` and hold the order while its call is sent (a `with` block); a
+        failed send gives its number back."""
+        return _Sending(self, ticket)
 
     def may_restart(self) -> bool:
         """Whether a lost object may come back: restarts left here, or its creator's say."""

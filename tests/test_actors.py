@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from typing import Any
 
 import hypothesis.strategies as st
@@ -60,6 +61,32 @@ def test_calls_on_one_object_run_one_at_a_time_in_the_order_sent(
     assert (value, most) == (64, 1)  # no update lost, never two at once
     assert order == list(range(64))  # as this thread sent them
     assert [f.wait() for f in futs] == list(range(1, 65))
+
+
+class SlottedTally:
+    """A Tally that cannot be weakly referenced: its mailbox is found by its RRef's id."""
+
+    __slots__ = ("active", "most", "order", "value")
+
+    def __init__(self) -> None:
+        self.value = self.active = self.most = 0
+        self.order: list[int] = []
+
+    add = Tally.add
+    state = Tally.state
+
+
+def test_an_object_without_weak_references_keeps_the_rules_too(
+    world: asyncrpc.Context,
+) -> None:
+    with pytest.raises(TypeError):
+        weakref.ref(SlottedTally())
+    tally = asyncrpc.spawn("worker1", SlottedTally)
+    other = asyncrpc.spawn("worker1", SlottedTally)  # a mailbox of its own
+    futs = [h.call_async("add", i) for i in range(24) for h in (tally, other)]
+    torch.futures.wait_all(futs)
+    for handle in (tally, other):
+        assert handle.call("state") == (24, list(range(24)), 1)
 
 
 def test_max_concurrency_lets_that_many_run(world: asyncrpc.Context) -> None:

@@ -205,16 +205,23 @@ def claim(state: Running, on_cancel: Callable[[], object]) -> bool:
     return True
 
 
-def end(state: Running) -> None:
-    """The call is over."""
+def end(state: Running, settled: bool = False) -> None:
+    """The call is over. `settled`: it ended where it ran, with nothing left to cancel;
+    nobody takes charge of its cancel after it (`claim` returns False)."""
     calls = _runtime.part(Calls)
     with calls.lock:
+        if settled and state.on_cancel is None:
+            state.on_cancel = _nothing
         if calls.running.pop(state.key, None) is None:
             return  # ended twice (a reply path and a cancel): counted once
         if len(calls.ended) == ENDED_KEPT:
             calls.ended_keys.discard(calls.ended[0])
         calls.ended.append(state.key)
         calls.ended_keys.add(state.key)
+
+
+def _nothing() -> None:
+    """The cancel of a call that has ended."""
 
 
 def deliver(key: int) -> None:

@@ -9,6 +9,10 @@ place to the next call of its group first, then replies through `out`::
                                      │  ── async method ──> its Task or Future ──> finish
                                      └─ late (past its timeout): finish(CallTimeoutError)
     Job.cancel ── waiting: finish(CancelledError) now; running: cancel its Task or Future
+
+`run_now` is the same path for a sync call that took its place as it
+arrived: run on this thread, place freed, reply done; no Job is made
+unless its method returned a coroutine or a Future.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from ._execution import (
     start_coroutine,
 )
 from ._failures import Failure
-from ._futures import new_future
+from ._futures import completed, new_future
 from ._sendable import check_sendable
 from ._world import describe_self
 
@@ -45,6 +49,8 @@ class Box(Protocol):
     cls: type
 
     def done(self, job: Job) -> None: ...
+
+    def free(self, group: tuple[str, bool]) -> None: ...
 
 
 class Job:
@@ -83,6 +89,10 @@ class Job:
             result = self._call()
         finally:
             _cancel.enter(outer)
+        self.follow(result)
+
+    def follow(self, result: Any) -> None:
+        """The method has returned `result`: the call ends, or waits for its Future."""
         if isinstance(result, _torch.FutureType):
             self.inner = result
             result.add_done_callback(self._inner_done)
@@ -103,11 +113,7 @@ class Job:
             result = call_capturing(_raise, (exc,), {}, self.label)
         finally:
             made, thread.asked, thread.made = thread.made, False, None
-        if inspect.iscoroutine(result):
-            return start_coroutine(result, self.label, within=self.state)
-        if isinstance(result, _torch.FutureType) and result is not made:
-            return settle_future(result, self.label)
-        return result
+        return _awaited(result, made, self.label, self.state)
 
     def _timed_out(self) -> CallTimeoutError:
         waited = time.monotonic() - self.arrived
@@ -150,6 +156,41 @@ class Job:
         elif inner is not None:
             _torch.cancel(inner)  # an async method stops at its await
         return True
+
+
+def run_now(box: Box, group: tuple[str, bool], obj: object, name: str, args: Any,
+            kwargs: Any) -> Future[Any]:  # fmt: skip
+    """A sync call that took its group's place as it arrived (`Mailbox.take_turn`): it
+    runs on this thread, and its reply is done. A Job's path, without the waiting."""
+    label = f"{box.cls.__qualname__}.{name}()"
+    method = getattr(obj, name, None)
+    if callable(method):
+        result = call_capturing(method, args, kwargs, label)
+    else:
+        error = AttributeError(no_method(box.cls, name, method))
+        result = call_capturing(_raise, (error,), {}, label)
+    state = _cancel.current()
+    if inspect.iscoroutine(result) or isinstance(result, _torch.FutureType):
+        job = Job(box, obj, name, args, kwargs)  # a sync method that returned an awaitable
+        job.group, job.placed, job.started = group, True, True
+        job.state = state if state is not None and _cancel.claim(state, job.cancel) else None
+        job.follow(_awaited(result, None, label, job.state))
+        return job.out
+    box.free(group)  # its place goes to the next, then the reply
+    if state is not None:
+        if state.cancelled:
+            result = Failure(cancelled_error(label))
+        _cancel.end(state, settled=True)
+    return completed(check_sendable(result, label))
+
+
+def _awaited(result: Any, made: Any, label: str, state: _cancel.Running | None) -> Any:
+    """What a method returned, made a torch Future when it is one's or a coroutine's."""
+    if inspect.iscoroutine(result):
+        return start_coroutine(result, label, within=state)
+    if isinstance(result, _torch.FutureType) and result is not made:
+        return settle_future(result, label)
+    return result
 
 
 def no_method(cls: type, name: str, attr: object) -> str:

@@ -24,7 +24,10 @@ Limits: a named group's own (`concurrency_groups`); in the default group,
 `max_concurrency`, else 1 for sync methods and 1000 for async ones (`async
 def`, or `async_execution` returning a Future), counted apart: a sync call
 may run beside the object's async ones.
-A call cancelled while it waits gives up its place at once; one cancelled
+The common case takes a short way: a sync call whose turn it is, with
+nothing parked early in its stream and a place free in its group, takes
+that place (`Mailbox.take_turn`) and runs at once (`_job.run_now`), with
+no Job queued. A call cancelled while it waits gives up its place at once; one cancelled
 before it arrived gives up its number in the stream (`ON_SKIPPED`). A call
 whose turn comes after its timeout (counted from its arrival, so its caller
 has already given up on it) never starts: it gives its turn to the next.
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import threading
 import time
 import weakref
@@ -55,7 +57,7 @@ from ._execution import (
     torch_called,
 )
 from ._failures import Failure
-from ._job import Job, no_method
+from ._job import Job, no_method, run_now
 
 __all__ = (
     "ASYNC_LIMIT",
@@ -101,6 +103,9 @@ def invoke(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: lis
     for_torch = torch_called()
     obj = rref.local_value()
     box = _runtime.part(Mailboxes).find(rref, obj, ticket[2])
+    group = box.take_turn(name, ticket[0], ticket[1])
+    if group is not None:  # the common case: a sync call whose turn it is, a place free
+        return made_early(run_now(box, group, obj, name, args, kwargs), for_torch)
     job = Job(box, obj, name, args, kwargs)
     patience = ticket[3]
     if patience > 0:  # counted from here: the caller's own deadline passed before it
@@ -152,20 +157,25 @@ class Mailboxes:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.boxes: dict[tuple[int, int], Mailbox] = {}
+        self.boxes: dict[int | tuple[int, int], Mailbox] = {}
         self.executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.closed = False
 
     def find(self, rref: Any, obj: object, options: Options) -> Mailbox:
-        key = _torch.rref_id(rref)
+        # By the object's id while it lives (cheap: reading an RRef's id costs a repr); an
+        # object that cannot be weakly referenced, by its RRef's id.
+        box = self.boxes.get(id(obj))
+        if box is not None:
+            return box
         with self.lock:
+            key: int | tuple[int, int] = id(obj)
+            try:
+                weakref.finalize(obj, self.boxes.pop, key, None)
+            except TypeError:  # kept, small (no reference to the object), until the world ends
+                key = _torch.rref_id(rref)
             box = self.boxes.get(key)
             if box is None:
                 box = self.boxes[key] = Mailbox(self, type(obj), Options(*options))
-                # Released with the object; one that cannot be weakly referenced keeps
-                # its small mailbox (no reference to the object) until the world ends.
-                with contextlib.suppress(TypeError):
-                    weakref.finalize(obj, self.boxes.pop, key, None)
             return box
 
     def run_later(self, job: Job) -> None:
@@ -237,10 +247,32 @@ class Mailbox:
         if here is not None:
             here.run()
 
+    def take_turn(self, name: str, stream: int, number: int) -> tuple[str, bool] | None:
+        """A sync call whose turn it is, its group's place free and nothing early: its
+        place is taken now, and its group returned (None: the call goes the way of jobs)."""
+        with self.lock:
+            group_key, is_async = self._group_of(name)
+            group = self.groups.get(group_key)
+            if is_async or group is None or group.running >= group.limit:
+                return None
+            if stream:
+                order = self.streams.get(stream)
+                if order is None:
+                    order = self.streams[stream] = _Order()
+                if number != order.next or order.early:
+                    return None
+                order.next += 1
+            group.running += 1
+            return group_key
+
     def done(self, job: Job) -> None:
         """`job` has ended: its group's next waiting calls start."""
+        self.free(job.group)
+
+    def free(self, group_key: tuple[str, bool]) -> None:
+        """A call of the group has ended: the group's next waiting calls start."""
         with self.lock:
-            group = self.groups[job.group]
+            group = self.groups[group_key]
             group.running -= 1
             start = []
             while group.waiting and group.running < group.limit:
@@ -255,7 +287,9 @@ class Mailbox:
     def _let_through(self, job: Job | None, stream: int, number: int) -> list[Job]:
         if stream == 0:  # a caller that keeps no order
             return [job] if job is not None else []
-        order = self.streams.setdefault(stream, _Order())
+        order = self.streams.get(stream)
+        if order is None:
+            order = self.streams[stream] = _Order()
         if number != order.next:
             order.early[number] = job
             return []

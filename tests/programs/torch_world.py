@@ -10,10 +10,12 @@ prints one `ok: ...` line per check; any failure raises and exits non-zero.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pathlib
 import sys
+import time
 
 import torch
 import torch.distributed.rpc as rpc
@@ -34,6 +36,29 @@ class Counter:
 
     async def add_later(self, to: str, n: int) -> int:
         return self.add(await asyncrpc.rpc_async(to, int, args=(n,)))
+
+
+class Tally:
+    """Records how many of its calls overlap, and the order they ran in."""
+
+    def __init__(self) -> None:
+        self.active = self.most = 0
+        self.order: list[int] = []
+
+    def add(self, tag: int) -> int:
+        self.active += 1
+        self.most = max(self.most, self.active)
+        time.sleep(0.002)
+        self.order.append(tag)
+        self.active -= 1
+        return tag
+
+    def state(self) -> tuple[int, list[int]]:
+        return self.most, self.order
+
+    async def nap(self, seconds: float) -> float:
+        await asyncio.sleep(seconds)
+        return seconds
 
 
 @asyncrpc.async_execution
@@ -77,6 +102,7 @@ def use_every_verb(out: pathlib.Path) -> None:
     check("wrap torch's rref", wrapped.call("add", 1) == 2)
     both = asyncrpc.call_all([counter, wrapped], "add", 1).wait()
     check("call_all", both == [16, 3], both)
+    use_actors()
     errors = []
     for read in (
         lambda: asyncrpc.rpc_sync("worker1", lookup, args=("b",)),
@@ -99,6 +125,24 @@ def use_every_verb(out: pathlib.Path) -> None:
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     named = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
     check("trace", named == {"worker0", "worker1", "worker2"}, named)
+
+
+def use_actors() -> None:
+    tally = asyncrpc.spawn("worker2", Tally)
+    torch.futures.wait_all([tally.call_async("add", i) for i in range(16)])
+    state = tally.call("state")
+    check("actor: one call at a time, in order", state == (1, list(range(16))), state)
+    start = time.monotonic()
+    naps = tally.call_async("nap", 0.3), *(tally.call_async("nap", 0.2) for _ in range(15))
+    torch.futures.wait_all(list(naps))
+    took = time.monotonic() - start
+    check("actor: asyncio in an async method, interleaved", took < 3.0, took)
+    done, pending = asyncrpc.wait([tally.call_async("nap", 5.0), naps[0]], timeout=30)
+    check("wait", done == [naps[0]] and len(pending) == 1, (done, pending))
+    pending[0].cancel()  # the nap stops at its await
+    pool = asyncrpc.ActorPool([tally, asyncrpc.spawn("worker1", Tally)])
+    got = list(pool.map(lambda h, tag: h.call_async("add", tag), range(6)))
+    check("ActorPool", got == list(range(6)), got)
 
 
 def worker(rank: int, out: str) -> None:
