@@ -58,6 +58,7 @@ from ._core._futures import (
 )
 from ._core._init import init
 from ._core._membership import Joined, Left
+from ._core._objects import ObjectRef, get, put
 from ._core._stream import Stream, stream
 from ._core._unwaited import log_unwaited_failures
 from ._core._world import (
@@ -102,6 +103,7 @@ __all__ = (
     "NotElasticError",
     "NotInitializedError",
     "ObjectLostError",
+    "ObjectRef",
     "PortInUseError",
     "RemoteError",
     "RemoteModule",
@@ -134,12 +136,14 @@ __all__ = (
     "failed",
     "fanout",
     "gather",
+    "get",
     "init",
     "log_unwaited_failures",
     "members",
     "method",
     "on_members",
     "on_replaced",
+    "put",
     "remote",
     "remove_workers",
     "render_trace",

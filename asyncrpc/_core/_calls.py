@@ -49,9 +49,10 @@ from torch.futures import Future
 from . import _activity, _hang, _loop, _runtime, _torch, _world
 from ._cancel import KEY_BITS, Sent, new_key
 from ._errors import NestedCallError, UnknownWorkerError
-from ._execution import Kind, classify, run_python, run_python_async, runs_on_loop
+from ._execution import Kind, classify, run_python, run_python_async, run_resolved, runs_on_loop
 from ._failures import check_reply, label_of, raise_unsendable
 from ._futures import check_seconds
+from ._objects import has_refs
 from ._reply import Reply
 from ._torch import WorkerInfo
 from ._unwaited import unwaited_logging, watch_unwaited
@@ -356,7 +357,7 @@ def _send_now(call: Call, func: Any, args: Any, kwargs: Any, remote: bool) -> An
     if remote:
         return _torch.remote(call.to, func, args=args, kwargs=kwargs, timeout=call.seconds)
     if kwargs is None and isinstance(call.to, WorkerInfo) and func in _RUNNERS:
-        is_async = func is run_python_async
+        is_async = func is not run_python
         return _torch.send_python(call.to, func, args or (), {}, call.seconds, is_async)
     return _torch.send_torch(call.to, func, args, kwargs, call.seconds)
 
@@ -402,7 +403,7 @@ def _traced(worker: str, func: Callable[..., Any]) -> tuple[Callable[..., Any], 
     return hook(worker, func)
 
 
-_RUNNERS = (run_python, run_python_async)
+_RUNNERS = (run_python, run_python_async, run_resolved)
 
 
 def _wrapped(
@@ -415,6 +416,8 @@ def _wrapped(
     """What to send: `traced` inside its runner, or as torch sends it (by `func`'s kind)."""
     kind = classify(func)
     args = None if args is None else tuple(args)
+    if has_refs(args, kwargs):  # each arrives as its value (Ray's rule: top level only)
+        return run_resolved, (traced, args or (), dict(kwargs or {}), key), None
     if kind is Kind.TORCH:
         return traced, args, kwargs
     runner = run_python_async if kind is Kind.ASYNC else run_python

@@ -206,12 +206,16 @@ def claim(state: Running, on_cancel: Callable[[], object]) -> bool:
 
 
 def end(state: Running, settled: bool = False) -> None:
-    """The call is over. `settled`: it ended where it ran, with nothing left to cancel;
-    nobody takes charge of its cancel after it (`claim` returns False)."""
+    """The call is over: nobody takes charge of its cancel after it (`claim` returns
+    False), and it lets go of what it ran. `settled`: it ended where it ran, before
+    anyone took charge of its cancel."""
     calls = _runtime.part(Calls)
     with calls.lock:
-        if settled and state.on_cancel is None:
+        if settled or state.on_cancel is not None:
             state.on_cancel = _nothing
+        # What it ran goes with it: the call's Task refers to its state through its
+        # context, so a state that kept them would hold its arguments until gc ran.
+        state.call, state.coro = (), None
         if calls.running.pop(state.key, None) is None:
             return  # ended twice (a reply path and a cancel): counted once
         if len(calls.ended) == ENDED_KEPT:

@@ -42,7 +42,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.futures import Future
 
-from . import _cancel, _loop, _runtime, _torch
+from . import _cancel, _loop, _objects, _runtime, _torch
 from ._errors import CancelledError, NotAFutureError
 from ._failures import Failure, capture, check_reply, label_of
 from ._futures import await_future, completed, new_future
@@ -201,6 +201,41 @@ def run_python_async(
     if result is made and (state is None or state.on_cancel is not None):
         return cast(Future[Any], result)  # ours: in asyncrpc's form, in charge of the call
     return settle_future(result, _called(func, args), state=state)
+
+
+def run_resolved(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: int = 0
+) -> Future[Any]:
+    """Run a call whose top-level arguments hold ObjectRefs once each is its value.
+
+    Values already here run it at once, on this RPC thread; a value to fetch
+    runs it where the last fetch ends (an `asyncrpc-fetch` thread), so no RPC
+    thread waits. A ref that cannot be read fails the call with its error.
+    """
+    ready = _objects.resolving(args, kwargs)
+    if ready.done():
+        return _run_resolved(func, key, ready)
+    out = new_future()
+    _torch.add_callback(ready, functools.partial(_run_then_reply, func, key, out))
+    return out
+
+
+def _run_resolved(func: Callable[..., Any], key: int, ready: Future[Any]) -> Future[Any]:
+    ok, value = _torch.outcome(ready)
+    if not ok or isinstance(value, Failure):
+        error = value.error if ok else value
+        return completed(_captured(error, _called(func, ()), False))
+    args, kwargs = value
+    return run_python_async(func, args, kwargs, key)
+
+
+def _run_then_reply(func: Callable[..., Any], key: int, out: Future[Any], ready: Any) -> None:
+    inner = _run_resolved(func, key, ready)
+    label = _called(func, ())
+    _torch.add_callback(inner, lambda done: out.set_result(outcome_of(done, label)))
+
+
+_torch.mark_async(run_resolved, run_resolved)
 
 
 def call_capturing(

@@ -51,13 +51,17 @@ from ._execution import (
     ON_LOOP,
     ON_SKIPPED,
     Kind,
+    cancelled_error,
     classify,
     made_early,
+    outcome_of,
     runs_on_loop,
     torch_called,
 )
 from ._failures import Failure
+from ._futures import completed, new_future
 from ._job import Job, no_method, run_now
+from ._objects import has_refs, resolving
 
 __all__ = (
     "ASYNC_LIMIT",
@@ -101,11 +105,18 @@ def invoke(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: lis
     (a fork never sent would hold torch's shutdown until its timeout).
     """
     for_torch = torch_called()
+    if has_refs(args, kwargs):
+        return made_early(_deliver_resolved(name, args, kwargs, ticket, rref), for_torch)
+    return made_early(_deliver(name, args, kwargs, ticket, rref), for_torch)
+
+
+def _deliver(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: list[Any],
+             rref: Any) -> Future[Any]:  # fmt: skip
     obj = rref.local_value()
     box = _runtime.part(Mailboxes).find(rref, obj, ticket[2])
     group = box.take_turn(name, ticket[0], ticket[1])
     if group is not None:  # the common case: a sync call whose turn it is, a place free
-        return made_early(run_now(box, group, obj, name, args, kwargs), for_torch)
+        return run_now(box, group, obj, name, args, kwargs)
     job = Job(box, obj, name, args, kwargs)
     patience = ticket[3]
     if patience > 0:  # counted from here: the caller's own deadline passed before it
@@ -117,7 +128,41 @@ def invoke(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: lis
     if state is not None and not _cancel.claim(state, job.cancel):
         job.state = None
     box.admit(job, ticket[0], ticket[1])
-    return made_early(job.out, for_torch)
+    return job.out
+
+
+def _deliver_resolved(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      ticket: list[Any], rref: Any) -> Future[Any]:  # fmt: skip
+    """A call whose top-level arguments hold ObjectRefs enters the mailbox once each is
+    its value; its turn waits for it, and with it the calls sent after it."""
+    ready = resolving(args, kwargs)
+    if ready.done():
+        return _deliver_ready(ready, name, ticket, rref)
+    state, out = _cancel.current(), new_future()
+
+    def deliver(_: Future[Any]) -> None:  # on the thread whose fetch ended last
+        outer = _cancel.enter(state)
+        try:
+            inner = _deliver_ready(ready, name, ticket, rref)
+        finally:
+            _cancel.enter(outer)
+        _torch.add_callback(inner, lambda done: out.set_result(outcome_of(done, name)))
+
+    _torch.add_callback(ready, deliver)
+    return out
+
+
+def _deliver_ready(ready: Future[Any], name: str, ticket: list[Any], rref: Any) -> Future[Any]:
+    ok, value = _torch.outcome(ready)
+    state = _cancel.current()
+    label = f"{type(rref.local_value()).__qualname__}.{name}()"
+    if ok and not isinstance(value, Failure) and not (state is not None and state.cancelled):
+        args, kwargs = value
+        return _deliver(name, args, kwargs, ticket, rref)
+    skip_turn(ticket, rref)  # it never runs: its number goes to the next call
+    if state is not None and state.cancelled:
+        return completed(Failure(cancelled_error(label, before=True)))
+    return completed(value if ok else Failure(value))
 
 
 def skip_turn(ticket: list[Any], rref: Any) -> None:

@@ -1,0 +1,256 @@
+"""Objects that travel once: `put` keeps a value on this worker; its ObjectRef reads it anywhere.
+
+An ObjectRef is a torch RRef to the value on its owner, the worker that put
+it, so torch's forks count who holds it: the owner frees the value once no
+ref to it is left anywhere (in a world that heals, refs cross calls as
+handles do, `_forks`). Any other process reads a ref's value at most once
+while it holds a ref to it: torch's RRef fetch, run on a thread of
+asyncrpc's so that no RPC thread waits for it::
+
+    owner: ref = put(v)              borrower: get(ref), or ref as a top-level argument
+      RRef(v) ─── ref in a call ───>   held here (`Fetched` counts this process's refs)
+                                       first read: to_here on an `asyncrpc-fetch` thread
+      <─────────── fetch ───────────   later reads: the value fetched, not fetched again
+      v ────────── value ──────────>   last ref here gone: the value fetched is let go
+      last ref anywhere gone: torch frees v on the owner
+
+A call whose top-level arguments hold refs runs once they are all here
+(`resolving`); a ref inside a list or dict arrives as a ref (Ray's rule).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import weakref
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from . import _runtime, _torch
+from ._errors import ObjectLostError
+from ._failures import Failure
+from ._futures import await_future, check_seconds, completed, gather, new_future, with_timeout
+
+__all__ = ("Fetched", "ObjectRef", "fetch", "get", "has_refs", "put", "resolving")
+
+T = TypeVar("T")
+_FETCH_THREADS = 8  # fetches of values of other workers at once, per process
+
+Key = tuple[int, int]
+
+
+class ObjectRef(Generic[T]):
+    """A value kept by the worker that `put` it; `asyncrpc.get(ref)` reads it anywhere.
+
+    Pass it in calls (a top-level argument arrives as its value), results,
+    handles' calls and streams; the value lives while a ref to it does.
+
+    Example::
+
+        ref = asyncrpc.put(torch.ones(3))
+        asyncrpc.rpc_sync("worker1", torch.sum, args=(ref,))  # tensor(3.)
+        asyncrpc.get(ref)  # tensor([1., 1., 1.])
+    """
+
+    __slots__ = ("__weakref__", "_key", "_rref")
+
+    def __init__(self, rref: Any) -> None:
+        self._rref = rref
+        self._key: Key = _torch.rref_id(rref)
+        if not rref.is_owner():  # a borrower: what it fetches lives while it holds refs
+            _runtime.part(Fetched).hold(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ObjectRef, (self._rref,))  # torch forks the RRef as it pickles it
+
+    @property
+    def owner(self) -> str:
+        """The name of the worker that holds the value (the one that put it)."""
+        owner = _torch.rref_owner(self._rref)
+        return owner if isinstance(owner, int) else str(owner.name)  # type: ignore[return-value]
+
+    def __await__(self) -> Generator[Any, None, T]:
+        """`await ref` in a coroutine: its value, fetched without blocking the loop."""
+        return (yield from await_future(fetch(self)))  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return f"ObjectRef(owner={self.owner!r}, id={self._key[0]}:{self._key[1]})"
+
+
+def put(value: T) -> ObjectRef[T]:
+    """Keep `value` on this worker; an ObjectRef that reads it anywhere in the world.
+
+    The value stays here, once, however many calls and workers use the ref;
+    each other process that reads it fetches it once. Treat it as read-only:
+    a change made in one process is not seen in another.
+
+    Example::
+
+        ref = asyncrpc.put(model.state_dict())
+        for actor in actors:
+            actor.call_async("load_state_dict", ref)  # each actor gets the dict
+    """
+    return ObjectRef(rpc.RRef(value))
+
+
+class Fetched:
+    """This process's fetched values, by ref, while it holds refs to them (a `_runtime` part)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.values: dict[Key, Future[Any]] = {}
+        self.holders: dict[Key, int] = {}
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.closed = False
+
+    def hold(self, ref: ObjectRef[Any]) -> None:
+        key = ref._key
+        with self.lock:
+            self.holders[key] = self.holders.get(key, 0) + 1
+        weakref.finalize(ref, self._let_go, key)
+
+    def _let_go(self, key: Key) -> None:
+        with self.lock:
+            left = self.holders.get(key, 1) - 1
+            if left > 0:
+                self.holders[key] = left
+                return
+            self.holders.pop(key, None)
+            self.values.pop(key, None)
+
+    def fetch(self, ref: ObjectRef[Any]) -> Future[Any]:
+        with self.lock:
+            fut = self.values.get(ref._key)
+            if fut is not None:
+                return fut
+            fut = self.values[ref._key] = new_future()
+            if self.pool is None:
+                self.pool = concurrent.futures.ThreadPoolExecutor(
+                    _FETCH_THREADS, thread_name_prefix="asyncrpc-fetch"
+                )
+            pool = self.pool
+        try:
+            pool.submit(_read, ref, fut)
+        except RuntimeError as exc:  # the world has ended
+            fut.set_result(Failure(_lost(ref, exc)))
+        return fut
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed, pool, self.pool = True, self.pool, None
+            self.values.clear()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _read(ref: ObjectRef[Any], fut: Future[Any]) -> None:
+    try:
+        value = ref._rref.to_here()
+    except ObjectLostError as exc:
+        fut.set_result(Failure(exc))
+    except Exception as exc:
+        fut.set_result(Failure(_lost(ref, exc)))
+    else:
+        fut.set_result(value)
+
+
+def _lost(ref: ObjectRef[Any], cause: BaseException) -> ObjectLostError:
+    owner = ref.owner
+    error = ObjectLostError(
+        f"the value of {ref!r} could not be read from its owner {owner!r}: "
+        f"{type(cause).__name__}: {cause}; put it again where it is needed",
+        str(owner),
+    )
+    error.__cause__ = cause
+    return error
+
+
+def fetch(ref: ObjectRef[T]) -> Future[T]:
+    """A Future of `ref`'s value: done at once on its owner, fetched once elsewhere."""
+    if ref._rref.is_owner():
+        return completed(ref._rref.local_value())
+    return _runtime.part(Fetched).fetch(ref)
+
+
+def get(refs: ObjectRef[T] | Sequence[ObjectRef[Any]], timeout: float | None = None) -> Any:
+    """The value of `refs` (one ObjectRef), or the values of a list of them, in order.
+
+    On the ref's owner, the value itself; elsewhere, fetched once per process
+    while it holds a ref. `timeout` (seconds): TimeoutError past it. A ref
+    whose owner died raises ObjectLostError naming it. In a coroutine,
+    `await ref` reads it without blocking the event loop.
+
+    Example::
+
+        ref = asyncrpc.put({"step": 3})
+        asyncrpc.get(ref)  # {'step': 3}
+        asyncrpc.get([ref, asyncrpc.put(4)], timeout=10)  # [{'step': 3}, 4]
+    """
+    one = isinstance(refs, ObjectRef)
+    if not one and not isinstance(refs, (list, tuple)):
+        raise TypeError(
+            f"get: expected an ObjectRef or a list of them, got {type(refs).__name__} "
+            f"{refs!r:.60}; make one with asyncrpc.put(value)"
+        )
+    items: list[Any] = [refs] if one else list(refs)  # type: ignore[arg-type]
+    for item in items:
+        if not isinstance(item, ObjectRef):
+            raise TypeError(
+                f"get: expected an ObjectRef or a list of them, got {type(item).__name__} "
+                f"{item!r:.60}; make one with asyncrpc.put(value)"
+            )
+    fut = gather([fetch(item) for item in items])
+    if timeout is not None:
+        fut = with_timeout(fut, check_seconds("get", timeout, zero=False))
+    values = fut.wait()
+    return values[0] if one else values
+
+
+def has_refs(args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether a call's top-level arguments hold an ObjectRef."""
+    return any(isinstance(a, ObjectRef) for a in args or ()) or any(
+        isinstance(v, ObjectRef) for v in (kwargs or {}).values()
+    )
+
+
+def resolving(
+    args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Future[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """A Future of (args, kwargs) with each top-level ObjectRef replaced by its value.
+
+    Done at once when every value is here; failed (its Failure as the value)
+    with the first ref that could not be read.
+    """
+    args, kwargs = tuple(args), dict(kwargs)
+    waits = [(i, fetch(a)) for i, a in enumerate(args) if isinstance(a, ObjectRef)]
+    waits += [(k, fetch(v)) for k, v in kwargs.items() if isinstance(v, ObjectRef)]  # type: ignore[misc]
+    out: Future[tuple[tuple[Any, ...], dict[str, Any]]] = new_future()
+    left = [len(waits)]
+    lock = threading.Lock()
+
+    def settle() -> None:
+        values = dict(args=list(args), kwargs=kwargs)
+        for where, fut in waits:
+            ok, value = _torch.outcome(fut)
+            if not ok or isinstance(value, Failure):
+                out.set_result(value if ok else Failure(value))  # type: ignore[arg-type]
+                return
+            target = values["args"] if isinstance(where, int) else values["kwargs"]
+            target[where] = value  # type: ignore[index]
+        out.set_result((tuple(values["args"]), values["kwargs"]))  # type: ignore[arg-type]
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            settle()
+
+    if not waits:
+        settle()
+    for _, fut in waits:
+        _torch.add_callback(fut, one_done)
+    return out

@@ -1,0 +1,119 @@
+"""Objects that travel once: put, get, and ObjectRefs as arguments (real workers, real RPC)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+
+import pytest
+import torch
+
+import asyncrpc
+
+from conftest import until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def total(x: torch.Tensor, scale: float = 1.0) -> float:
+    return float(x.sum()) * scale
+
+
+def kind_of_first(items: list[object]) -> str:
+    return type(items[0]).__name__
+
+
+async def summed_later(x: torch.Tensor) -> float:
+    await asyncio.sleep(0.01)
+    return float(x.sum())
+
+
+async def awaited(refs: list[asyncrpc.ObjectRef[torch.Tensor]]) -> list[float]:
+    return [float((await ref).sum()) for ref in refs]
+
+
+def fetches_here() -> tuple[int, int]:
+    """On a borrower: (values fetched and kept, refs held) in this process."""
+    from asyncrpc._core import _objects, _runtime
+
+    fetched = _runtime.part(_objects.Fetched)
+    with fetched.lock:
+        return len(fetched.values), sum(fetched.holders.values())
+
+
+def read_three_times(refs: list[asyncrpc.ObjectRef[torch.Tensor]]) -> tuple[bool, int]:
+    """A borrower reads a ref (in a list: it stays a ref) three times: one fetch."""
+    ref = refs[0]
+    first = asyncrpc.get(ref)
+    same = asyncrpc.get(ref) is first and asyncrpc.get([ref])[0] is first
+    return same, fetches_here()[0]
+
+
+class Keeper:
+    def __init__(self) -> None:
+        self.weights: torch.Tensor | None = None
+
+    def load(self, weights: torch.Tensor) -> float:
+        self.weights = weights
+        return float(weights.sum())
+
+    def publish(self, value: object) -> asyncrpc.ObjectRef[object]:
+        return asyncrpc.put(value)
+
+
+def test_a_ref_arrives_as_its_value_on_every_verb(world: asyncrpc.Context) -> None:
+    ref = asyncrpc.put(torch.ones(8))
+    assert asyncrpc.get(ref) is asyncrpc.get(ref)  # on its owner: the value itself
+    assert asyncrpc.rpc_sync("worker1", total, args=(ref,), kwargs={"scale": 2}) == 16.0
+    assert asyncrpc.rpc_sync("worker1", total, args=(torch.ones(2),),
+                             kwargs={"scale": asyncrpc.put(3)}) == 6.0  # fmt: skip
+    assert torch.equal(asyncrpc.rpc_sync("worker2", torch.add, args=(ref, 1)), torch.ones(8) + 1)
+    assert asyncrpc.rpc_async("worker2", summed_later, args=(ref,)).wait() == 8.0
+    assert asyncrpc.remote("worker1", total, args=(ref,)).to_here() == 8.0
+    keeper = asyncrpc.spawn("worker1", Keeper)
+    assert keeper.call("load", ref) == 8.0
+    assert keeper.call_async("load", ref).wait() == 8.0
+    assert asyncrpc.rpc_sync("worker2", awaited, args=([ref, ref],)) == [8.0, 8.0]
+    # Ray's rule: only a top-level argument is resolved; one in a list stays a ref.
+    assert asyncrpc.rpc_sync("worker1", kind_of_first, args=([ref],)) == "ObjectRef"
+
+
+def test_a_ref_made_elsewhere_reads_anywhere(world: asyncrpc.Context) -> None:
+    keeper = asyncrpc.spawn("worker1", Keeper)
+    ref = keeper.call("publish", torch.arange(4.0))
+    assert ref.owner == "worker1" and "worker1" in repr(ref)
+    assert torch.equal(asyncrpc.get(ref), torch.arange(4.0))
+    assert asyncrpc.rpc_sync("worker2", total, args=(ref,)) == 6.0  # owner -> worker2
+    assert asyncrpc.get([ref, asyncrpc.put(5)], timeout=30)[1] == 5
+
+
+def test_a_borrower_fetches_once_and_lets_go_with_its_last_ref(world: asyncrpc.Context) -> None:
+    ref = asyncrpc.put(torch.ones(1000))
+    same, fetched = asyncrpc.rpc_sync("worker2", read_three_times, args=([ref],))
+    assert same and fetched >= 1
+    keeper = asyncrpc.spawn("worker2", Keeper)
+    for _ in range(5):  # calls that take the value: no further fetch
+        assert keeper.call("load", ref) == 1000.0
+    # Once no ref to it is held on worker2, the value fetched there is let go.
+    assert until(lambda: asyncrpc.rpc_sync("worker2", fetches_here) == (0, 0), 15)
+
+
+def test_the_owner_frees_the_value_when_no_ref_is_left(world: asyncrpc.Context) -> None:
+    value = torch.ones(16)
+    alive = weakref.ref(value)
+    ref = asyncrpc.put(value)
+    del value
+    assert asyncrpc.rpc_sync("worker1", total, args=(ref,)) == 16.0
+    assert alive() is not None  # held while the ref lives
+    del ref
+    assert until(lambda: gc.collect() >= 0 and alive() is None, 15)
+
+
+def test_get_says_what_was_wrong(world: asyncrpc.Context) -> None:
+    with pytest.raises(TypeError, match=r"expected an ObjectRef or a list of them, got int 5"):
+        asyncrpc.get(5)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"got str 'x'"):
+        asyncrpc.get([asyncrpc.put(1), "x"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"timeout=0 would mean no timeout"):
+        asyncrpc.get(asyncrpc.put(1), timeout=0)
