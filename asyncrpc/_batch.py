@@ -33,9 +33,10 @@ from torch.futures import Future
 
 from ._core import _calls, _cancel, _torch
 from ._core._errors import BatchNotSentError, CancelledError, WorkerUnreachableError
-from ._core._execution import Kind, classify, run_python, run_python_async
+from ._core._execution import Kind, classify, run_python, run_python_async, run_resolved
 from ._core._failures import hold, label_of
 from ._core._futures import Settle, completed, failed
+from ._core._objects import has_refs
 
 __all__ = ("Batch", "run_batch")
 
@@ -256,7 +257,10 @@ def run_batch(entries: list[_Entry]) -> Future[list[Any]]:
     outcomes: list[Any] = []
     waiting: list[int] = []
     for func, args, kwargs, key in entries:
-        if classify(func) is Kind.ASYNC:
+        if has_refs(args, kwargs):  # each arrives as its value, as for a call alone
+            waiting.append(len(outcomes))
+            outcomes.append(run_resolved(func, args, kwargs, key))
+        elif classify(func) is Kind.ASYNC:
             waiting.append(len(outcomes))
             outcomes.append(run_python_async(func, args, kwargs, key))
         else:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import torch
 
 import asyncrpc
 
-from conftest import until
+from conftest import PROGRAMS, run_program, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,3 +118,47 @@ def test_get_says_what_was_wrong(world: asyncrpc.Context) -> None:
         asyncrpc.get([asyncrpc.put(1), "x"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"timeout=0 would mean no timeout"):
         asyncrpc.get(asyncrpc.put(1), timeout=0)
+
+
+def ref_per_item(n: int) -> Iterator[asyncrpc.ObjectRef[torch.Tensor]]:
+    for i in range(n):
+        yield asyncrpc.put(torch.full((2,), float(i)))
+
+
+def count_up(to: int) -> Iterator[int]:
+    yield from range(to)
+
+
+async def count_up_later(to: int) -> AsyncIterator[int]:
+    for i in range(to):
+        await asyncio.sleep(0)
+        yield i
+
+
+def test_refs_in_batches_streams_and_results(world: asyncrpc.Context) -> None:
+    ref = asyncrpc.put(torch.ones(4))
+    with asyncrpc.Batch() as batch:
+        futs = [batch.rpc_async("worker1", total, args=(ref,)) for _ in range(3)]
+    assert [f.wait() for f in futs] == [4.0] * 3
+    items = [asyncrpc.get(r) for r in asyncrpc.stream("worker2", ref_per_item, args=(3,))]
+    assert [t.tolist() for t in items] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+    count = asyncrpc.put(3)
+    assert list(asyncrpc.stream("worker1", count_up, args=(count,))) == [0, 1, 2]
+    assert list(asyncrpc.stream("worker2", count_up_later, args=(count,))) == [0, 1, 2]
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(150)
+def test_a_ref_whose_owner_died_is_lost_and_named() -> None:
+    result = run_program("python", str(PROGRAMS / "lost_objects.py"), timeout=140)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for line in (
+        "put on worker2: ok",
+        "read on worker1: ok",
+        "healed: ok",
+        "get: lost, named: ok",
+        "as an argument: lost, named: ok",
+        "passed inside a list: lost, named: ok",
+        "a put on the replacement: ok",
+    ):
+        assert line in result.stdout, result.stdout + result.stderr[-3000:]

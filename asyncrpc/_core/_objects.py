@@ -29,8 +29,8 @@ from typing import Any, Generic, TypeVar
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from . import _runtime, _torch
-from ._errors import ObjectLostError
+from . import _hooks, _runtime, _torch
+from ._errors import ObjectLostError, WorkerUnreachableError
 from ._failures import Failure
 from ._futures import await_future, check_seconds, completed, gather, new_future, with_timeout
 
@@ -69,8 +69,10 @@ class ObjectRef(Generic[T]):
     @property
     def owner(self) -> str:
         """The name of the worker that holds the value (the one that put it)."""
-        owner = _torch.rref_owner(self._rref)
-        return owner if isinstance(owner, int) else str(owner.name)  # type: ignore[return-value]
+        try:
+            return _hooks.owner_of(self._rref, "the value of this ObjectRef")
+        except WorkerUnreachableError as gone:  # its name, all the same
+            return gone.name or "a worker no longer in the world"
 
     def __await__(self) -> Generator[Any, None, T]:
         """`await ref` in a coroutine: its value, fetched without blocking the loop."""

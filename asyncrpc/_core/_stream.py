@@ -38,6 +38,7 @@ from ._errors import CancelledError, SerializationError
 from ._execution import start_coroutine
 from ._failures import Failure, capture, check_reply, hold, label_of
 from ._futures import completed, new_future
+from ._objects import has_refs, resolving
 
 __all__ = ("DEFAULT_WINDOW", "Producers", "Stream", "check_window", "open_producers", "stream")
 
@@ -405,12 +406,37 @@ def _pull(key: int, opener: tuple[Any, ...] | None, n: int) -> Future[Any]:
 _torch.mark_async(_pull, _pull)
 
 
+def _resolving_first(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A generator over ObjectRef arguments: it reads their values first, where it runs
+    (its own thread, or the event loop for an async generator), then yields func's items."""
+    if inspect.isasyncgenfunction(func):
+
+        async def pumped() -> AsyncIterator[Any]:
+            values, named = await cast(Awaitable[Any], resolving(args, kwargs))
+            async for item in func(*values, **named):
+                yield item
+
+        return pumped()
+
+    def pulled() -> Iterator[Any]:
+        values, named = resolving(args, kwargs).wait()
+        yield from func(*values, **named)
+
+    return pulled()
+
+
 def _open(
     key: int, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], label: str
 ) -> _Producer | Failure:
     """Start the generator of a stream; `label` names it as the caller wrote it."""
     try:
-        gen = func(*args, **kwargs)
+        gen = (
+            _resolving_first(func, args, kwargs)
+            if has_refs(args, kwargs)
+            else func(*args, **kwargs)
+        )
         if not (inspect.isgenerator(gen) or inspect.isasyncgen(gen)):
             raise TypeError(
                 f"asyncrpc.stream runs a generator function (def or async def with `yield`), "
