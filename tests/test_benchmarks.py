@@ -68,6 +68,10 @@ CASES = {
             "4 RPC threads",
         ],
     ),
+    "objects": (
+        "--rounds 1 --repeat 1 --mib 4 --get-mib 1 --workers 2 --no-ray".split(),
+        ["broadcast 4 MiB to 2 workers"],
+    ),
     "ensemble_training": (
         "--rounds 1 --batches 8 --sample 0.02 --agree-steps 3 --auto-batches 1".split(),
         ["  vmap ", "  auto ", "  floor "],

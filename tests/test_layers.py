@@ -113,6 +113,7 @@ INSIDE: dict[str, list[str]] = {
         "_notes",
         "_unread",
         "_sending",
+        "_shared",
         "_releases",
         "_rrefs",
         "_reads",

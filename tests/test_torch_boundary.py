@@ -688,3 +688,20 @@ def test_a_join_that_meets_a_dead_member_fails_at_once() -> None:
     seen = json.loads(found.group(1))
     assert "connection refused" in seen["error"].lower(), seen  # torch's own failure, raised
     assert seen["seconds"] < 5.0, seen  # not the store's 20 s
+
+
+def test_shared_storages_map_the_same_memory_and_copy_the_rest() -> None:
+    import torch
+
+    from asyncrpc._core import _torch
+
+    plain = torch.arange(6.0)
+    grad = torch.ones(2, requires_grad=True)
+    value = {"w": plain[2:], "grad": grad, "n": 3}
+    back = _torch.loads_shared(_torch.dumps_shared(value))
+    assert torch.equal(back["w"], plain[2:]) and back["n"] == 3
+    assert back["w"].is_shared() and plain.is_shared()  # the storage moved once, in place
+    plain[3] = 42.0  # one memory: a write on one side is seen on the other
+    assert back["w"][1] == 42.0
+    assert back["grad"].requires_grad and not back["grad"].is_shared()  # pickled as usual
+    assert _torch.host_key() == _torch.host_key() != ""

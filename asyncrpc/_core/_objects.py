@@ -107,6 +107,13 @@ class Fetched:
         self.holders: dict[Key, int] = {}
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.closed = False
+        self.machine: str | None = None
+
+    def host(self) -> str:
+        """Which shared memory this process can map (`_torch.host_key`), read once."""
+        if self.machine is None:
+            self.machine = _torch.host_key()
+        return self.machine
 
     def hold(self, ref: ObjectRef[Any]) -> None:
         key = ref._key
@@ -150,13 +157,44 @@ class Fetched:
 
 def _read(ref: ObjectRef[Any], fut: Future[Any]) -> None:
     try:
-        value = ref._rref.to_here()
+        value = _read_shared(ref)
+        if value is _NOT_SHARED:
+            value = ref._rref.to_here()
     except ObjectLostError as exc:
         fut.set_result(Failure(exc))
     except Exception as exc:
         fut.set_result(Failure(_lost(ref, exc)))
     else:
         fut.set_result(value)
+
+
+_NOT_SHARED = object()
+
+
+def _read_shared(ref: ObjectRef[Any]) -> Any:
+    """The value mapped from its owner's shared memory when both are on one machine (its
+    CPU tensors are not copied); `_NOT_SHARED` otherwise, or where that fails."""
+    owner = _torch.rref_owner(ref._rref)
+    if isinstance(owner, int):
+        return _NOT_SHARED
+    here = _runtime.part(Fetched).host()
+    try:
+        fut = _torch.send_python(
+            owner, _shared_form, (*ref._key, here), {}, _torch.default_timeout(), False
+        )
+        payload = fut.wait()
+        return _NOT_SHARED if payload is None else _torch.loads_shared(payload)
+    except Exception:  # another machine's memory, or no manager: fetched by RPC
+        return _NOT_SHARED
+
+
+def _shared_form(created_on: int, local_id: int, host: str) -> bytes | None:
+    """On the owner: the value with its CPU tensors shared by name, if `host` can map them."""
+    if host != _runtime.part(Fetched).host():
+        return None
+    me = _torch.own_id()
+    value = _torch.owner_view(me, (created_on, local_id), "").local_value()  # its own type
+    return _torch.dumps_shared(value)
 
 
 def _lost(ref: ObjectRef[Any], cause: BaseException) -> ObjectLostError:

@@ -35,6 +35,7 @@ Its modules, lowest first (each imports only those before it, `_errors` and
     _notes       tags, guards, combined Futures, cancellers; `cancel`
     _unread      failures nobody read (`watch_unread`)
     _sending     torch's UDF send and pickler; the callee of the call being pickled
+    _shared      CPU tensors' storages shared by name with processes of one machine
     _releases    the RRefs of a world that heals, dropped on one thread (torch's lock order)
     _rrefs       RRef ids, owners, kinds, forks without messages; the pickling patch
     _reads       the patched Future and RRef reads: carried failures, torch's named
@@ -143,6 +144,7 @@ from ._sending import (
     sending_to,
     serialize,
 )
+from ._shared import dumps_shared, host_key, loads_shared
 from ._texts import (
     RemoteException,
     failure_kind,
@@ -189,6 +191,7 @@ __all__ = (
     "current_agent",
     "default_timeout",
     "deserialize",
+    "dumps_shared",
     "failing_fast",
     "failure_kind",
     "forget_member",
@@ -198,6 +201,7 @@ __all__ = (
     "guard_reads",
     "hook_registrar",
     "hook_tables",
+    "host_key",
     "impl_id",
     "install",
     "install_await",
@@ -208,6 +212,7 @@ __all__ = (
     "is_rpc_thread",
     "keep_until_done",
     "known_ids",
+    "loads_shared",
     "mark_async",
     "module_tables",
     "note_kind",
