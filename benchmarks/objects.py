@@ -1,8 +1,8 @@
 """Objects that travel once, beside Ray and beside sending a copy with every call.
 
 One run, the ways alternated round by round (the first way rotates), medians.
-Each put is of a fresh copy (a learner's new version: every way pays the
-same clone), and each reader sums every element (it reads all the memory):
+Each round puts the tensor again (a put copies it, in asyncrpc as in Ray),
+and each reader sums every element (it reads all the memory):
 
     broadcast M MiB to k workers   put once, each worker's call takes the ref
                                    | the tensor in each call (today's way)
@@ -49,12 +49,11 @@ def _asyncrpc_ways(names: list[str], weights: torch.Tensor, sizes: dict[str, tor
         to = names[:k]
 
         def by_ref(to: list[str] = to) -> Any:
-            ref = asyncrpc.put(weights.clone())  # a new version each time, as a learner's
+            ref = asyncrpc.put(weights)  # put copies it, as ray.put does
             return asyncrpc.gather([asyncrpc.rpc_async(n, first, args=(ref,)) for n in to]).wait()
 
         def by_copy(to: list[str] = to) -> Any:
-            fresh = weights.clone()
-            calls = [asyncrpc.rpc_async(n, first, args=(fresh,)) for n in to]
+            calls = [asyncrpc.rpc_async(n, first, args=(weights,)) for n in to]
             return asyncrpc.gather(calls).wait()
 
         row = f"broadcast {weights.numel() * 4 >> 20} MiB to {k} workers"
@@ -62,7 +61,7 @@ def _asyncrpc_ways(names: list[str], weights: torch.Tensor, sizes: dict[str, tor
     for label, value in sizes.items():
         rows[f"put + get on another worker, {label}"] = {
             "asyncrpc": lambda v=value: asyncrpc.rpc_sync(  # type: ignore[misc]
-                names[0], get_inside, args=([asyncrpc.put(v.clone())],)
+                names[0], get_inside, args=([asyncrpc.put(v)],)
             )
         }
     return rows
@@ -87,13 +86,13 @@ def _ray_ways(weights: torch.Tensor, sizes: dict[str, torch.Tensor],
         row = f"broadcast {weights.numel() * 4 >> 20} MiB to {k} workers"
 
         def broadcast(k: int = k) -> Any:
-            ref = ray.put(weights.clone())
+            ref = ray.put(weights)
             return ray.get([a.first.remote(ref) for a in actors[:k]])
 
         rows[row] = {"ray": broadcast}
     for label, value in sizes.items():
         rows[f"put + get on another worker, {label}"] = {
-            "ray": lambda v=value: ray.get(actors[0].get_inside.remote([ray.put(v.clone())]))
+            "ray": lambda v=value: ray.get(actors[0].get_inside.remote([ray.put(v)]))
         }
     return rows
 

@@ -101,14 +101,27 @@ def test_a_borrower_fetches_once_and_lets_go_with_its_last_ref(world: asyncrpc.C
 
 
 def test_the_owner_frees_the_value_when_no_ref_is_left(world: asyncrpc.Context) -> None:
-    value = torch.ones(16)
-    alive = weakref.ref(value)
-    ref = asyncrpc.put(value)
-    del value
+    ref = asyncrpc.put(torch.ones(16))
+    alive = weakref.ref(asyncrpc.get(ref))  # on its owner: the value kept
     assert asyncrpc.rpc_sync("worker1", total, args=(ref,)) == 16.0
     assert alive() is not None  # held while the ref lives
     del ref
     assert until(lambda: gc.collect() >= 0 and alive() is None, 15)
+
+
+def shared_here(refs: list[asyncrpc.ObjectRef[torch.Tensor]]) -> tuple[bool, float]:
+    value = asyncrpc.get(refs[0])
+    return value.is_shared(), float(value.sum())
+
+
+def test_put_keeps_a_copy_that_readers_of_this_machine_map(world: asyncrpc.Context) -> None:
+    weights = torch.ones(1000)
+    ref = asyncrpc.put(weights)
+    weights.add_(1)  # later changes are not in what was put
+    assert float(asyncrpc.get(ref).sum()) == 1000.0
+    assert asyncrpc.rpc_sync("worker1", shared_here, args=([ref],)) == (True, 1000.0)
+    with pytest.raises(asyncrpc.SerializationError, match=r"put: the value could not be copied"):
+        asyncrpc.put(lambda: 1)
 
 
 def test_get_says_what_was_wrong(world: asyncrpc.Context) -> None:

@@ -30,7 +30,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from . import _hooks, _runtime, _torch
-from ._errors import ObjectLostError, WorkerUnreachableError
+from ._errors import ObjectLostError, SerializationError, WorkerUnreachableError
 from ._failures import Failure
 from ._futures import await_future, check_seconds, completed, gather, new_future, with_timeout
 
@@ -83,11 +83,14 @@ class ObjectRef(Generic[T]):
 
 
 def put(value: T) -> ObjectRef[T]:
-    """Keep `value` on this worker; an ObjectRef that reads it anywhere in the world.
+    """Keep a copy of `value`, as it is now, on this worker; an ObjectRef that reads it
+    anywhere in the world.
 
-    The value stays here, once, however many calls and workers use the ref;
-    each other process that reads it fetches it once. Treat it as read-only:
-    a change made in one process is not seen in another.
+    The copy is made once (its CPU tensors into shared memory, which readers
+    on this machine map; the rest by pickling, so `value` must pickle, as
+    for a call), and stays here however many calls and workers use the ref;
+    each other process fetches it once. Later changes to `value` are not in
+    it: put the new version.
 
     Example::
 
@@ -95,7 +98,15 @@ def put(value: T) -> ObjectRef[T]:
         for actor in actors:
             actor.call_async("load_state_dict", ref)  # each actor gets the dict
     """
-    return ObjectRef(rpc.RRef(value))
+    try:
+        kept = _torch.snapshot_shared(value)
+    except Exception as exc:
+        raise SerializationError(
+            f"put: the value could not be copied to keep ({type(exc).__name__}: {exc}); put "
+            f"tensors, numbers, strings and containers of them, or objects of module-level "
+            f"classes (keep other objects on their worker: asyncrpc.spawn)"
+        ) from exc
+    return ObjectRef(rpc.RRef(kept))
 
 
 class Fetched:

@@ -144,7 +144,7 @@ from ._sending import (
     sending_to,
     serialize,
 )
-from ._shared import dumps_shared, host_key, loads_shared
+from ._shared import dumps_shared, host_key, loads_shared, snapshot_shared
 from ._texts import (
     RemoteException,
     failure_kind,
@@ -246,6 +246,7 @@ __all__ = (
     "set_canceller",
     "set_unwrap",
     "share_version",
+    "snapshot_shared",
     "stop_serving",
     "storage_shared",
     "store_address",

@@ -1,6 +1,8 @@
 """CPU tensors read from shared memory by processes of one machine: no copy per reader.
 
-`dumps_shared(value)` pickles `value` with each plain CPU tensor's storage
+`snapshot_shared(value)` copies a value as it is now, its plain CPU tensors
+into shared memory (what `asyncrpc.put` keeps). `dumps_shared(value)`
+pickles `value` with each plain CPU tensor's storage
 moved into shared memory (once: torch's file-system sharing, names under
 /dev/shm kept alive by torch's shared-memory manager); the bytes carry the
 names, not the data. `loads_shared` maps those storages in the reader::
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ("dumps_shared", "host_key", "loads_shared")
+__all__ = ("dumps_shared", "host_key", "loads_shared", "snapshot_shared")
 
 
 def host_key() -> str:
@@ -49,9 +51,16 @@ def _shareable(obj: object) -> bool:
 
 
 class _SharingPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, copies: list[torch.Tensor] | None = None) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.copies = copies  # a list: each tensor is copied first, and kept here
+
     def reducer_override(self, obj: Any) -> Any:
         if not _shareable(obj):
             return NotImplemented
+        if self.copies is not None:
+            obj = obj.clone()
+            self.copies.append(obj)
         handle = obj.untyped_storage()._share_filename_cpu_()
         layout = (obj.dtype, tuple(obj.shape), tuple(obj.stride()), obj.storage_offset())
         return _mapped, (*handle, *layout)
@@ -66,8 +75,17 @@ def _mapped(manager: bytes, name: bytes, size: int, dtype: torch.dtype, shape: t
 def dumps_shared(value: Any) -> bytes:
     """`value` pickled with its plain CPU tensors' storages shared by name (moved once)."""
     buffer = io.BytesIO()
-    _SharingPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    _SharingPickler(buffer).dump(value)
     return buffer.getvalue()
+
+
+def snapshot_shared(value: Any) -> Any:
+    """A copy of `value` as it is now, its plain CPU tensors copied into shared memory
+    (once: readers on this machine then map them); other parts copied by pickling."""
+    buffer = io.BytesIO()
+    copies: list[torch.Tensor] = []
+    _SharingPickler(buffer, copies).dump(value)
+    return pickle.loads(buffer.getvalue())  # the copies' memory, mapped again
 
 
 def loads_shared(payload: bytes) -> Any:
