@@ -93,10 +93,14 @@ def type_of(rref: rpc.RRef[Any]) -> type:
 
 def _read_for_unread(call: _calls.Call, ticket: list[Any], fut: Future[Any]) -> None:
     """A handle's call_async ended: if the owner could not unpickle it, give its turn back."""
-    ok, value = _torch.outcome(fut)
-    error = value if not ok else getattr(value, "error", None)
+    try:
+        ok, value = _torch.outcome(fut)
+        error = value if not ok else getattr(value, "error", None)
+    except Exception as exc:  # its read raised (a cancelled call's Future)
+        error = exc
     if isinstance(error, BaseException):
-        _give_back_unread(call, ticket, error)
+        with contextlib.suppress(Exception):  # a callback of torch's: it must not raise
+            _give_back_unread(call, ticket, error)
 
 
 def _give_back_unread(call: _calls.Call, ticket: list[Any], error: BaseException) -> None:

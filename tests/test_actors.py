@@ -543,3 +543,57 @@ def test_options_given_where_an_object_is_made(world: asyncrpc.Context) -> None:
         asyncrpc.actor(Tally)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"write @asyncrpc.method\(\) \(with the parentheses\)"):
         asyncrpc.method(Tally.add)  # type: ignore[arg-type]
+
+
+class Unruly:
+    """Methods that fail in the ways an object must survive."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.started: list[int] = []
+
+    @property
+    def exploding(self) -> int:
+        raise RuntimeError("the property's getter raised")
+
+    def exit(self) -> None:
+        raise SystemExit("leaving")
+
+    async def exit_later(self) -> None:
+        await asyncio.sleep(0)
+        raise SystemExit("leaving later")
+
+    def add(self) -> int:
+        self.count += 1
+        return self.count
+
+    async def note(self, tag: int) -> None:
+        self.started.append(tag)  # before its first await: the order calls started in
+        await asyncio.sleep(0)
+
+    def notes(self) -> list[int]:
+        return self.started
+
+
+def test_an_object_goes_on_after_any_failure_of_a_call(world: asyncrpc.Context) -> None:
+    unruly = asyncrpc.spawn("worker1", Unruly)
+    untyped = asyncrpc.RemoteObject(unruly.rref)  # no class here: the owner looks it up
+    with pytest.raises(RuntimeError, match=r"the property's getter raised"):
+        untyped.call("exploding")
+    with pytest.raises(RuntimeError, match=r"Unruly.exit\(\) raised SystemExit: leaving"):
+        unruly.call("exit")
+    with pytest.raises(RuntimeError, match=r"raised SystemExit: leaving later"):
+        unruly.call("exit_later")
+    assert unruly.call("add") == 1  # its place was given back each time
+    assert asyncrpc.rpc_sync("worker1", _loop_answers) == "yes"  # the event loop lives on
+
+
+async def _loop_answers() -> str:
+    await asyncio.sleep(0)
+    return "yes"
+
+
+def test_async_calls_start_in_the_order_sent(world: asyncrpc.Context) -> None:
+    unruly = asyncrpc.spawn("worker2", Unruly)
+    torch.futures.wait_all([unruly.call_async("note", i) for i in range(300)])
+    assert unruly.call("notes") == list(range(300))

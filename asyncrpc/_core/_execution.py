@@ -502,7 +502,8 @@ class _Task:
             return
         context = contextvars.copy_context()
         context.run(_runtime.TASK_CALL.set, self.state)  # asyncrpc.cancelled() inside it
-        self._task = asyncio.get_running_loop().create_task(self._coro, context=context)
+        coro = _contained(self._coro, self._fn)
+        self._task = asyncio.get_running_loop().create_task(coro, context=context)
         self._task.add_done_callback(self._settle)
 
     def cancel(self) -> bool:
@@ -538,6 +539,15 @@ class _Task:
         if error is not None:
             return _captured(error, self._fn, self._for_torch)
         return check_sendable(task.result(), self._fn) if self._reply else task.result()
+
+
+async def _contained(coro: Coroutine[Any, Any, Any], fn: object) -> Any:
+    """`coro`'s outcome; a SystemExit or KeyboardInterrupt it raises fails its call as a
+    RuntimeError (asyncio would end the worker's event loop with it)."""
+    try:
+        return await coro
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise RuntimeError(f"{_name(fn)} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _name(fn: object) -> str:

@@ -105,12 +105,9 @@ class Job:
         thread = _runtime.THREAD
         thread.asked, thread.made = True, None  # async_execution methods reply our way
         try:
-            method = getattr(self.obj, self.name, None)
-            if not callable(method):
-                raise AttributeError(no_method(self.box.cls, self.name, method))
-            result = call_capturing(method, self.args, self.kwargs, self.label)
-        except AttributeError as exc:
-            result = call_capturing(_raise, (exc,), {}, self.label)
+            result = call_method(
+                self.box.cls, self.obj, self.name, self.args, self.kwargs, self.label
+            )
         finally:
             made, thread.asked, thread.made = thread.made, False, None
         return _awaited(result, made, self.label, self.state)
@@ -163,13 +160,11 @@ def run_now(box: Box, group: tuple[str, bool], obj: object, name: str, args: Any
     """A sync call that took its group's place as it arrived (`Mailbox.take_turn`): it
     runs on this thread, and its reply is done. A Job's path, without the waiting."""
     label = f"{box.cls.__qualname__}.{name}()"
-    method = getattr(obj, name, None)
-    if callable(method):
-        result = call_capturing(method, args, kwargs, label)
-    else:
-        error = AttributeError(no_method(box.cls, name, method))
-        result = call_capturing(_raise, (error,), {}, label)
     state = _cancel.current()
+    if state is not None and state.cancelled:  # cancelled as it arrived: it never runs
+        result: Any = Failure(cancelled_error(label, before=True))
+    else:
+        result = call_method(box.cls, obj, name, args, kwargs, label)
     if inspect.iscoroutine(result) or isinstance(result, _torch.FutureType):
         job = Job(box, obj, name, args, kwargs)  # a sync method that returned an awaitable
         job.group, job.placed, job.started = group, True, True
@@ -182,6 +177,26 @@ def run_now(box: Box, group: tuple[str, bool], obj: object, name: str, args: Any
             result = Failure(cancelled_error(label))
         _cancel.end(state, settled=True)
     return completed(check_sendable(result, label))
+
+
+def call_method(cls: type, obj: object, name: str, args: Any, kwargs: Any, label: str) -> Any:
+    """`obj.name(*args, **kwargs)`, or the Failure it raised: whatever it raised, so that
+    its place in its group is always given back (a property whose getter raises, a
+    method that raises SystemExit or asyncio's CancelledError: the call fails, the object
+    goes on; torch's own verbs fail such a call the same way)."""
+    try:
+        method = getattr(obj, name, None)
+        if not callable(method):
+            raise AttributeError(no_method(cls, name, method))
+    except Exception as exc:
+        return call_capturing(_raise, (exc,), {}, label)
+    try:
+        return call_capturing(method, args, kwargs, label)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # not an Exception: SystemExit, asyncio.CancelledError
+        error = RuntimeError(f"{label} raised {type(exc).__name__}: {exc}")
+        return call_capturing(_raise, (error,), {}, label)
 
 
 def _awaited(result: Any, made: Any, label: str, state: _cancel.Running | None) -> Any:

@@ -277,20 +277,38 @@ class Mailbox:
         self.streams: dict[int, _Order] = {}
         self.groups: dict[tuple[str, bool], _Group] = {}
         self.kinds: dict[str, tuple[tuple[str, bool], bool]] = {}  # method -> _group_of
+        self.pending: collections.deque[Job] = collections.deque()  # let through, to start
+        self.handing_on = False
 
     def admit(self, job: Job | None, stream: int, number: int) -> None:
         """Take a call (None: a skipped number), and start what may start now."""
         with self.lock:
             through = self._let_through(job, stream, number)
             start = [j for j in through if self._take_place(j)]
-        # The call that brought the turn runs on its own RPC thread, after the others
-        # let through with it have been handed on (it may take long).
-        here = job if start and start[0] is job and _torch.is_rpc_thread() else None
-        for ready in start:
-            if ready is not here:
-                self._start(ready, here=False)
+            # A sync call that brought the turn runs on its own RPC thread, after the
+            # others let through with it have been handed on (it may take long).
+            here = None
+            if start and start[0] is job and not job.is_async and _torch.is_rpc_thread():
+                here = start.pop(0)
+            self.pending.extend(start)
+        self._hand_on()
         if here is not None:
             here.run()
+
+    def _hand_on(self) -> None:
+        """Start the calls let through, in the order they were let through, whichever
+        threads let them through: one thread at a time hands them on."""
+        with self.lock:
+            if self.handing_on:
+                return  # the thread that is handing on takes these too
+            self.handing_on = True
+        while True:
+            with self.lock:
+                if not self.pending:
+                    self.handing_on = False
+                    return
+                ready = self.pending.popleft()
+            self._start(ready, here=False)
 
     def take_turn(self, name: str, stream: int, number: int) -> tuple[str, bool] | None:
         """A sync call whose turn it is, its group's place free and nothing early: its
@@ -319,15 +337,13 @@ class Mailbox:
         with self.lock:
             group = self.groups[group_key]
             group.running -= 1
-            start = []
             while group.waiting and group.running < group.limit:
                 waiting = group.waiting.popleft()
                 if not waiting.ended:
                     group.running += 1
                     waiting.placed = True
-                    start.append(waiting)
-        for ready in start:
-            self._start(ready, here=False)
+                    self.pending.append(waiting)
+        self._hand_on()
 
     def _let_through(self, job: Job | None, stream: int, number: int) -> list[Job]:
         if stream == 0:  # a caller that keeps no order
