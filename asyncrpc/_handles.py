@@ -43,6 +43,8 @@ from ._actor import (
 )
 from ._core import _calls, _hooks, _torch
 from ._core._errors import (
+    CallTimeoutError,
+    CancelledError,
     ObjectLostError,
     SerializationError,
     WorkerLeftError,
@@ -92,21 +94,26 @@ def type_of(rref: rpc.RRef[Any]) -> type:
 
 
 def _read_for_unread(call: _calls.Call, ticket: list[Any], fut: Future[Any]) -> None:
-    """A handle's call_async ended: if the owner could not unpickle it, give its turn back."""
+    """A handle's call ended on torch's side: if it never reached the object's mailbox
+    (or may not have), its turn is given back (`_give_back`)."""
     try:
         ok, value = _torch.outcome(fut)
         error = value if not ok else getattr(value, "error", None)
-    except Exception as exc:  # its read raised (a cancelled call's Future)
+    except Exception as exc:  # its read raised
         error = exc
     if isinstance(error, BaseException):
         with contextlib.suppress(Exception):  # a callback of torch's: it must not raise
-            _give_back_unread(call, ticket, error)
+            _give_back(call, ticket, error)
 
 
-def _give_back_unread(call: _calls.Call, ticket: list[Any], error: BaseException) -> None:
-    """A call whose arguments its owner could not unpickle never reached the object's
-    mailbox: its number there is given back, or the handle's next calls would wait for it."""
-    if _torch.failure_kind(error.__cause__ or error) != "unreadable":
+def _give_back(call: _calls.Call, ticket: list[Any], error: BaseException) -> None:
+    """A call its caller gave up on before knowing it reached the object's mailbox (the
+    owner could not unpickle it; it timed out; it was cancelled): its number there is
+    given back, or the handle's next calls would wait for it. The owner ignores this
+    for a call that has arrived; one that arrives after never runs."""
+    cause = error.__cause__ or error
+    gave_up = isinstance(error, (CallTimeoutError, CancelledError))
+    if not gave_up and _torch.failure_kind(cause) not in ("unreadable", "timeout"):
         return
     skip = _calls.check("call", call.worker, skip_turn, (ticket, call.args[-1]), None, None,  # type: ignore[index]
                         "a turn given back")  # fmt: skip
@@ -264,8 +271,8 @@ class RemoteObject(Generic[T]):
         except WorkerUnreachableError:
             self._family.suspect(call.args[-1])  # type: ignore[index]
             raise
-        except SerializationError as exc:
-            _give_back_unread(call, ticket, exc)
+        except (SerializationError, CallTimeoutError) as exc:
+            _give_back(call, ticket, exc)
             raise
 
     def _send_once(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -294,7 +301,12 @@ class RemoteObject(Generic[T]):
         """
         call, ticket = self._call(method, args, kwargs)
         with self._family.sending(ticket):
-            return _calls.send_remote(call)
+            rref = _calls.send_remote(call)
+        # A result that could not be made (arguments the owner could not unpickle, a
+        # timeout) gives the call's turn back, as for the other verbs.
+        read = functools.partial(_read_for_unread, call, ticket)
+        _torch.add_callback(_torch.rref_future(rref), read)
+        return rref
 
     def stream(self, method: str, /, *args: Any, **kwargs: Any) -> Stream[Any]:
         """Iterate the items of generator method `obj.method(*args, **kwargs)` as they come.

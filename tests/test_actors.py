@@ -597,3 +597,29 @@ def test_async_calls_start_in_the_order_sent(world: asyncrpc.Context) -> None:
     unruly = asyncrpc.spawn("worker2", Unruly)
     torch.futures.wait_all([unruly.call_async("note", i) for i in range(300)])
     assert unruly.call("notes") == list(range(300))
+
+
+def _slow_rebuild(value: int) -> int:
+    time.sleep(1.0)  # the owner unpickles this argument slowly
+    return value
+
+
+class SlowArgument:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_slow_rebuild, (self.value,))
+
+
+def test_a_call_given_up_before_it_arrived_gives_its_turn_back_and_never_runs(
+    world: asyncrpc.Context,
+) -> None:
+    tally = asyncrpc.spawn("worker1", Tally)
+    with pytest.raises(asyncrpc.CallTimeoutError):
+        tally.options(timeout=0.3).call("add", SlowArgument(7))
+    started = time.monotonic()
+    assert tally.call("add", 1) == 1  # the next call's turn came at once
+    assert time.monotonic() - started < 0.9
+    time.sleep(1.2)  # the slow call has arrived by now, after its turn went on
+    assert tally.call("state")[1] == [1]  # it never ran

@@ -166,8 +166,9 @@ def _deliver_ready(ready: Future[Any], name: str, ticket: list[Any], rref: Any) 
 
 
 def skip_turn(ticket: list[Any], rref: Any) -> None:
-    """A call that never reached the mailbox (the owner could not unpickle its arguments):
-    its number in the stream is let through, as its caller asks."""
+    """Its caller gave up on a call (it timed out, was cancelled, or the owner could not
+    unpickle its arguments): if it has not reached the mailbox, its number is let
+    through, and the call never runs should it come later; if it has, nothing changes."""
     box = _runtime.part(Mailboxes).find(rref, rref.local_value(), ticket[2])
     box.admit(None, ticket[0], ticket[1])
 
@@ -283,7 +284,8 @@ class Mailbox:
     def admit(self, job: Job | None, stream: int, number: int) -> None:
         """Take a call (None: a skipped number), and start what may start now."""
         with self.lock:
-            through = self._let_through(job, stream, number)
+            gone = job is not None and self._turn_gone(stream, number)
+            through = [] if gone else self._let_through(job, stream, number)
             start = [j for j in through if self._take_place(j)]
             # A sync call that brought the turn runs on its own RPC thread, after the
             # others let through with it have been handed on (it may take long).
@@ -291,6 +293,8 @@ class Mailbox:
             if start and start[0] is job and not job.is_async and _torch.is_rpc_thread():
                 here = start.pop(0)
             self.pending.extend(start)
+        if gone and job is not None:  # its caller gave up on it, and its turn went on
+            job.finish(Failure(cancelled_error(job.label, before=True)))
         self._hand_on()
         if here is not None:
             here.run()
@@ -352,7 +356,8 @@ class Mailbox:
         if order is None:
             order = self.streams[stream] = _Order()
         if number != order.next:
-            order.early[number] = job
+            if job is not None or (number > order.next and number not in order.early):
+                order.early[number] = job  # a skip of a number let through, or here: nothing
             return []
         through = [job] if job is not None else []
         order.next += 1
@@ -362,6 +367,14 @@ class Mailbox:
             if early is not None:
                 through.append(early)
         return through
+
+    def _turn_gone(self, stream: int, number: int) -> bool:
+        """Whether call `number` of `stream` comes after its turn was given away (its
+        caller gave up on it first: `skip_turn`)."""
+        order = self.streams.get(stream) if stream else None
+        if order is None:
+            return False
+        return number < order.next or (number in order.early and order.early[number] is None)
 
     def _take_place(self, job: Job) -> bool:
         job.group, job.is_async = self._group_of(job.name)
