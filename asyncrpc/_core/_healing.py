@@ -37,6 +37,8 @@ from ._torch import Store
 
 __all__ = ("join", "leave", "news", "start_failed_exit")
 
+_REPLIES_LEAVE_S = 0.05  # a removed worker, idle, waits this long again before it leaves
+
 
 class _World(Protocol):
     """What a member of a world that heals reads and sets of its world (`_world.World`)."""
@@ -228,7 +230,15 @@ def _finish(members: _membership.Members, timeout: float) -> None:
     def done() -> bool:
         return _torch.serving() <= _cancel.cancelled_running() and not members.busy()
 
-    _polling.within(done, timeout or None)
+    def still_done() -> bool:
+        # torch stops counting a call as its reply is handed to the pipe, before the
+        # reply is written: idle for a moment more, so the last replies leave first.
+        if not done():
+            return False
+        time.sleep(_REPLIES_LEAVE_S)
+        return done()
+
+    _polling.within(still_done, timeout or None)
 
 
 def leave(world: _World, graceful: bool, timeout: float) -> None:
