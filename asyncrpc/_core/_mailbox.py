@@ -155,12 +155,12 @@ def _deliver_resolved(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
 def _deliver_ready(ready: Future[Any], name: str, ticket: list[Any], rref: Any) -> Future[Any]:
     ok, value = _torch.outcome(ready)
     state = _cancel.current()
-    label = f"{type(rref.local_value()).__qualname__}.{name}()"
     if ok and not isinstance(value, Failure) and not (state is not None and state.cancelled):
         args, kwargs = value
         return _deliver(name, args, kwargs, ticket, rref)
     skip_turn(ticket, rref)  # it never runs: its number goes to the next call
     if state is not None and state.cancelled:
+        label = f"{type(rref.local_value()).__qualname__}.{name}()"
         return completed(Failure(cancelled_error(label, before=True)))
     return completed(value if ok else Failure(value))
 

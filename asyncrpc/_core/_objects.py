@@ -117,7 +117,6 @@ class Fetched:
         self.values: dict[Key, Future[Any]] = {}
         self.holders: dict[Key, int] = {}
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.closed = False
         self.machine: str | None = None
 
     def host(self) -> str:
@@ -160,7 +159,7 @@ class Fetched:
 
     def close(self) -> None:
         with self.lock:
-            self.closed, pool, self.pool = True, self.pool, None
+            pool, self.pool = self.pool, None
             self.values.clear()
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
