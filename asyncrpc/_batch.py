@@ -37,6 +37,7 @@ from ._core._execution import Kind, classify, run_python, run_python_async, run_
 from ._core._failures import hold, label_of
 from ._core._futures import Settle, completed, failed
 from ._core._objects import has_refs
+from ._core._promised import release_after
 
 __all__ = ("Batch", "run_batch")
 
@@ -120,6 +121,8 @@ class Batch:
         entry = (call.func, tuple(call.args or ()), dict(call.kwargs or {}), call.sent.key)
         settle = Settle()
         fut = settle.future
+        if call.lent:  # Futures passed in its arguments: kept until it has its outcome
+            release_after(fut, call.lent)
         # A call: named, ends wait_all early, cancellable (before the send it is taken
         # out of the message; after, it fails at once and its callee is asked to stop).
         _torch.tag_future(fut, call.sent)

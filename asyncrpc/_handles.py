@@ -53,6 +53,7 @@ from ._core._errors import (
 from ._core._failures import hold
 from ._core._futures import new_future
 from ._core._mailbox import invoke, no_method, skip_turn
+from ._core._promised import lend, release
 from ._core._stream import DEFAULT_WINDOW, Stream, check_window
 from ._family import Family, family_for, my_name
 from ._retry import await_notice, call_async_retrying, call_retrying
@@ -320,8 +321,13 @@ class RemoteObject(Generic[T]):
         """
         self._check_method(method)  # a wrong name fails here, at once
         label = f"{self.cls.__qualname__ if self.cls else 'object'}.{method}()"
-        call = _calls.check("stream", self.owner, _invoke_stream, (method, args, kwargs,
-                            self.rref), None, self._timeout, label)  # fmt: skip
+        args, kwargs, lent = lend(args, kwargs)
+        try:
+            call = _calls.check("stream", self.owner, _invoke_stream, (method, args, kwargs,
+                                self.rref), None, self._timeout, label, lent=lent)  # fmt: skip
+        except BaseException:
+            release(lent)
+            raise
         return Stream(call, self._window)
 
     def to_here(self) -> T:
@@ -356,16 +362,21 @@ class RemoteObject(Generic[T]):
         ticket: list[Any] = [0, -1, self._mailbox, 0.0]  # stream and number: as it is sent
         label = f"{self.cls.__qualname__ if self.cls else 'object'}.{method}()"
         rref, owner = self._target()
+        args, kwargs, lent = lend(args, kwargs)  # Futures passed go as values or Promised
         try:
-            call = _calls.check("call", owner, invoke, (method, args, kwargs, ticket, rref), None,
-                                seconds, label)  # fmt: skip
-        except WorkerUnreachableError as exc:  # its owner died, and is being replaced
-            if isinstance(exc, WorkerLeftError) or not self._family.may_restart():
-                raise
-            await_notice(rref)  # the death known here: the object is rebuilt next
-            rref, owner = self._target()
-            call = _calls.check("call", owner, invoke, (method, args, kwargs, ticket, rref), None,
-                                seconds, label)  # fmt: skip
+            try:
+                call = _calls.check("call", owner, invoke, (method, args, kwargs, ticket, rref),
+                                    None, seconds, label, lent=lent)  # fmt: skip
+            except WorkerUnreachableError as exc:  # its owner died, and is being replaced
+                if isinstance(exc, WorkerLeftError) or not self._family.may_restart():
+                    raise
+                await_notice(rref)  # the death known here: the object is rebuilt next
+                rref, owner = self._target()
+                call = _calls.check("call", owner, invoke, (method, args, kwargs, ticket, rref),
+                                    None, seconds, label, lent=lent)  # fmt: skip
+        except BaseException:
+            release(lent)
+            raise
         # How long it may wait for its turn: a call whose caller gave up never starts.
         ticket[3] = _calls.seconds_of(call.seconds)
         return call, ticket

@@ -9,6 +9,10 @@ and each reader sums every element (it reads all the memory):
                                    | Ray: ray.put once, each actor gets the ObjectRef
     put + get on another worker    put here, a call there reads it (get on a ref in a list)
                                    | Ray: ray.put in the driver, an actor's ray.get
+    parameter server, per step     Ray's synchronous parameter server (examples/from_ray/):
+                                   gradients' Futures passed straight to apply_gradients
+                                   | today's way: gather the gradients, then pass them
+                                   | Ray: as its docs write it, ObjectRefs as arguments
 
 Ray is optional (`pip install 'asyncrpc[bench]'`); without it, or with
 --no-ray, its column says so.
@@ -20,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +36,11 @@ import asyncrpc
 
 import ray_peer  # before Ray runs anywhere: its children stay on loopback
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "from_ray"))
+import parameter_server as ps_example
+
 Way = Callable[[], Any]
+STEPS = 10  # parameter-server steps per call of a way
 
 
 def first(x: torch.Tensor) -> float:
@@ -57,7 +67,7 @@ def _asyncrpc_ways(names: list[str], weights: torch.Tensor, sizes: dict[str, tor
             return asyncrpc.gather(calls).wait()
 
         row = f"broadcast {weights.numel() * 4 >> 20} MiB to {k} workers"
-        rows[row] = {"asyncrpc": by_ref, "a copy per call": by_copy}
+        rows[row] = {"asyncrpc": by_ref, "today's way": by_copy}
     for label, value in sizes.items():
         rows[f"put + get on another worker, {label}"] = {
             "asyncrpc": lambda v=value: asyncrpc.rpc_sync(  # type: ignore[misc]
@@ -65,6 +75,50 @@ def _asyncrpc_ways(names: list[str], weights: torch.Tensor, sizes: dict[str, tor
             )
         }
     return rows
+
+
+def _ps_ways(names: list[str]) -> dict[str, Way]:
+    """A step of the parameter server, the Futures passed on and the gradients gathered."""
+    ps = asyncrpc.spawn(names[0], ps_example.ParameterServer, 1e-2)
+    workers = [asyncrpc.spawn(n, ps_example.DataWorker, seed) for seed, n in enumerate(names[1:3])]
+
+    def passed() -> Any:  # Ray's loop, `call_async` for `.remote`
+        weights = ps.call_async("get_weights")
+        for _ in range(STEPS):
+            gradients = [w.call_async("compute_gradients", weights) for w in workers]
+            weights = ps.call_async("apply_gradients", *gradients)
+        return weights.wait()
+
+    def gathered() -> Any:  # every gradient back to the driver, then sent on
+        weights = ps.call("get_weights")
+        for _ in range(STEPS):
+            gradients = asyncrpc.gather(
+                [w.call_async("compute_gradients", weights) for w in workers]
+            ).wait()
+            weights = ps.call("apply_gradients", *gradients)
+        return weights
+
+    return {"asyncrpc": passed, "today's way": gathered}
+
+
+def _ray_ps() -> Way:
+    import ray
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(ps_example)  # Ray's workers cannot import it
+    server = ray.remote(ps_example.ParameterServer)
+    data = ray.remote(ps_example.DataWorker)
+    ps = server.remote(1e-2)
+    workers = [data.remote(seed) for seed in range(2)]
+
+    def as_ray_writes_it() -> Any:
+        weights = ps.get_weights.remote()
+        for _ in range(STEPS):
+            gradients = [w.compute_gradients.remote(weights) for w in workers]
+            weights = ps.apply_gradients.remote(*gradients)
+        return ray.get(weights)
+
+    return as_ray_writes_it
 
 
 def _ray_ways(weights: torch.Tensor, sizes: dict[str, torch.Tensor],
@@ -94,7 +148,11 @@ def _ray_ways(weights: torch.Tensor, sizes: dict[str, torch.Tensor],
         rows[f"put + get on another worker, {label}"] = {
             "ray": lambda v=value: ray.get(actors[0].get_inside.remote([ray.put(v)]))
         }
+    rows[PS_ROW] = {"ray": _ray_ps()}
     return rows
+
+
+PS_ROW = f"parameter server, {STEPS} steps"
 
 
 def measure(
@@ -117,17 +175,18 @@ def measure(
 
 
 def report(results: dict[str, dict[str, float]]) -> None:
-    columns = ("asyncrpc", "a copy per call", "ray")
-    print(
-        f"{'row':<42}{'asyncrpc':>12}{'copy/call':>12}{'Ray':>12}{'copy/ours':>11}{'Ray/ours':>10}"
-    )
+    columns = ("asyncrpc", "today's way", "ray")
+    print(f"{'row':<42}{'asyncrpc':>12}{'today':>12}{'Ray':>12}{'today/ours':>11}{'Ray/ours':>10}")
     for row, ways in results.items():
         cells = [f"{ways[c] * 1e3:.2f} ms" if c in ways else "-" for c in columns]
         ours = ways["asyncrpc"]
-        copy = f"{ways['a copy per call'] / ours:.2f}x" if "a copy per call" in ways else "-"
+        today = f"{ways[columns[1]] / ours:.2f}x" if columns[1] in ways else "-"
         ray = f"{ways['ray'] / ours:.2f}x" if "ray" in ways else "-"
-        print(f"{row:<42}{cells[0]:>12}{cells[1]:>12}{cells[2]:>12}{copy:>11}{ray:>10}")
-    print("copy/ours, Ray/ours: that way's time over asyncrpc's (> 1: asyncrpc is faster)")
+        print(f"{row:<42}{cells[0]:>12}{cells[1]:>12}{cells[2]:>12}{today:>11}{ray:>10}")
+    print(
+        "today: a copy in each call (broadcast), every gradient through the driver (parameter "
+        "server); today/ours, Ray/ours: that way's time over asyncrpc's (> 1: asyncrpc is faster)"
+    )
 
 
 def main(ctx: asyncrpc.Context, options: argparse.Namespace) -> None:
@@ -140,6 +199,7 @@ def main(ctx: asyncrpc.Context, options: argparse.Namespace) -> None:
     }
     names = [n for n in ctx.names if n != ctx.name]
     ways = _asyncrpc_ways(names, weights, sizes, options.workers)
+    ways[PS_ROW] = _ps_ways(names)
     with_ray = not options.no_ray and ray_peer.installed()
     if with_ray:
         ray_peer.start()

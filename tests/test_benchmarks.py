@@ -70,7 +70,7 @@ CASES = {
     ),
     "objects": (
         "--rounds 1 --repeat 1 --mib 4 --get-mib 1 --workers 2 --no-ray".split(),
-        ["broadcast 4 MiB to 2 workers"],
+        ["broadcast 4 MiB to 2 workers", "parameter server, 10 steps"],
     ),
     "ensemble_training": (
         "--rounds 1 --batches 8 --sample 0.02 --agree-steps 3 --auto-batches 1".split(),

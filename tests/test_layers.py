@@ -69,6 +69,7 @@ CORE_TIERS: dict[str, list[str]] = {
     "call path": [
         "_loop",
         "_sendable",
+        "_promised",
         "_objects",
         "_execution",
         "_job",

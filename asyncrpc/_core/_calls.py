@@ -53,6 +53,7 @@ from ._execution import Kind, classify, run_python, run_python_async, run_resolv
 from ._failures import check_reply, label_of, raise_unsendable
 from ._futures import check_seconds
 from ._objects import has_refs
+from ._promised import lend, release, release_after
 from ._reply import Reply
 from ._torch import WorkerInfo
 from ._unwaited import unwaited_logging, watch_unwaited
@@ -89,6 +90,7 @@ class Call(NamedTuple):
     label: object  # the function, or a text such as "Counter.add()"
     sent: Sent  # where it goes and its key: its Future's tag (naming, cancel)
     hang_after: float | None = None  # report it if still pending then (_hang)
+    lent: tuple[int, ...] = ()  # Futures passed in its arguments, kept until it replies
 
 
 # ---- the public verbs -----------------------------------------------------------------
@@ -193,11 +195,14 @@ def check(
     timeout: float | None,
     label: object = None,
     continuing: bool = False,
+    lent: tuple[int, ...] = (),
 ) -> Call:
     """Validate one call before anything is sent; `label` names it in errors (default: func).
 
     `continuing`: a call that goes on with one already running (a stream's next
     pull or its close), which a worker being removed still takes until it has left.
+    A top-level Future in `args` or `kwargs` goes as its value or a `Promised`
+    (`_promised.lend`); `lent`: those lent already (a handle's method arguments).
     """
     world = _world.running() or _world.current_world(f"asyncrpc.{verb}")
     # A world that heals or grows: members added since this one started count too.
@@ -224,7 +229,9 @@ def check(
     callee = int(to.id) if isinstance(to, WorkerInfo) else names.index(worker)
     caller = world.key_rank if world.key_rank >= 0 else world.context.rank  # torch's id
     sent = Sent(worker, label, callee, new_key(caller))
-    return Call(worker, to, func, args, kwargs, seconds, label, sent, world.hang_after)
+    args, kwargs, more = lend(args, kwargs)
+    return Call(worker, to, func, args, kwargs, seconds, label, sent, world.hang_after,
+                lent + more)  # fmt: skip
 
 
 def _worker_name(verb: str, to: object, names: Sequence[str]) -> str:
@@ -339,7 +346,10 @@ def _dispatch(call: Call, remote: bool) -> tuple[Any, bool, Callable[[Any], None
                 out = _send_now(call, func, args, kwargs, remote)
             _torch.keep_until_done(_torch.rref_future(out) if remote else out, keep)
     except Exception as exc:
+        release(call.lent)
         raise_unsendable(exc, call.worker, call.label)
+    if call.lent:  # the callee has read the Futures passed once the call has replied
+        release_after(_torch.rref_future(out) if remote else out, call.lent)
     if remote and healing is not None:  # `_forks` may send it on before its owner confirmed it
         _torch.note_kind(out, _torch.PY_OBJECT if func in _RUNNERS else _torch.PENDING)
     return out, func is traced, replied

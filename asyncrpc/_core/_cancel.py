@@ -32,7 +32,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from torch.futures import Future
+
 from . import _runtime, _torch
+from ._futures import new_future
 
 __all__ = (
     "KEY_BITS",
@@ -49,12 +52,14 @@ __all__ = (
     "deliver",
     "end",
     "enter",
+    "hand_over",
     "new_key",
     "request",
     "running_calls",
     "send_request",
     "side_channel",
     "stop_watching",
+    "taker",
     "watch",
     "watching",
 )
@@ -139,7 +144,17 @@ class Running:
     a stream's generator runs on a thread of its own).
     """
 
-    __slots__ = ("call", "cancelled", "coro", "key", "on_cancel", "started", "thread", "worker")
+    __slots__ = (
+        "call",
+        "cancelled",
+        "coro",
+        "key",
+        "on_cancel",
+        "started",
+        "takers",
+        "thread",
+        "worker",
+    )
 
     def __init__(self, key: int, call: tuple[Any, ...] = ()) -> None:
         self.key = key
@@ -150,6 +165,7 @@ class Running:
         self.thread: int | None = threading.get_ident()
         self.coro: Any = None
         self.worker: int | None = None
+        self.takers: list[Future[Any]] | None = None  # who waits for its reply (`taker`)
 
 
 class Calls:
@@ -226,6 +242,38 @@ def end(state: Running, settled: bool = False) -> None:
 
 def _nothing() -> None:
     """The cancel of a call that has ended."""
+
+
+def taker(key: int) -> Future[Any] | None:
+    """A Future of the reply of call `key`, set as the call ends here (`hand_over`); None
+    when no such call runs here now (it ended, or has not arrived yet).
+
+    How a Future passed as an argument goes from the worker computing it
+    straight to the callee using it (`_promised`).
+    """
+    calls = _runtime.part(Calls)
+    with calls.lock:
+        state = calls.running.get(key)
+        if state is None:
+            return None
+        fut: Future[Any] = new_future()
+        if state.takers is None:
+            state.takers = []
+        state.takers.append(fut)
+    return fut
+
+
+def hand_over(state: Running, reply: Any) -> None:
+    """The call `state` ended (`end`) and replies `reply`: to whoever asked too (`taker`).
+
+    Every path that ends a call calls it with the reply it sends; a taker
+    cannot join once the call has ended, so none is missed.
+    """
+    takers = state.takers
+    if takers:
+        state.takers = None
+        for fut in takers:
+            fut.set_result(reply)
 
 
 def deliver(key: int) -> None:

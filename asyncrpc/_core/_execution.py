@@ -160,8 +160,10 @@ def run_python(
         _cancel.enter(outer)
         if state is not None:
             _cancel.end(state)
-    if state is not None and state.cancelled:
-        return _cancelled(func, args)
+    if state is not None:
+        if state.cancelled:
+            value = _cancelled(func, args)
+        _cancel.hand_over(state, value)
     if key:  # torch pickles `value` next, on this thread: an RRef in it goes to the caller
         _runtime.THREAD.replying = key >> _cancel.KEY_BITS
     return value
@@ -334,14 +336,16 @@ def outcome_of(fut: Future[Any], fn: object) -> Any:
 def _capture_outcome(
     fn: object, for_torch: bool, state: _cancel.Running | None, fut: Future[Any]
 ) -> Any:
+    try:
+        value = fut.wait()
+    except BaseException as exc:  # torch would keep it in the Future: carry it as a value
+        value = _captured(exc, fn, for_torch)
     if state is not None:
         _cancel.end(state)
         if state.cancelled:
-            return Failure(cancelled_error(fn), for_torch)
-    try:
-        return fut.wait()
-    except BaseException as exc:  # torch would keep it in the Future: carry it as a value
-        return _captured(exc, fn, for_torch)
+            value = Failure(cancelled_error(fn), for_torch)
+        _cancel.hand_over(state, value)
+    return value
 
 
 def _captured(error: BaseException, fn: object, for_torch: bool) -> Any:
@@ -529,7 +533,10 @@ class _Task:
             self._settled = True
         if self.state is not None:
             _cancel.end(self.state)
-        self._out.set_result(self._outcome(task))
+        reply = self._outcome(task)
+        if self.state is not None:
+            _cancel.hand_over(self.state, reply)
+        self._out.set_result(reply)
 
     def _outcome(self, task: asyncio.Task[Any] | None) -> Any:
         cancelled = self._cancelled or (self.state is not None and self.state.cancelled)

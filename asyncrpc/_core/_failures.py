@@ -505,11 +505,19 @@ def raise_unsendable(error: BaseException, worker: str, func: object) -> NoRetur
         if named is error:
             raise error
         raise named from error
+    if "Future" in str(error):  # one inside a list, dict or object: only the top level waits
+        advice = (
+            "a Future travels only as a top-level argument (it arrives as its value); "
+            "pass it as one, wait for it first, or asyncrpc.put its value and pass the ref"
+        )
+    else:
+        advice = (
+            "pass tensors, numbers, strings and containers of them, or objects of "
+            "module-level classes and functions both sides can import (not lambdas, locks or "
+            "open files; keep such objects on their owner with asyncrpc.spawn)"
+        )
     named = SerializationError(
-        f"the arguments of {label_of(func)} could not be sent to {worker!r}: {error}; pass "
-        f"tensors, numbers, strings and containers of them, or objects of module-level "
-        f"classes and functions both sides can import (not lambdas, locks or open files; "
-        f"keep such objects on their owner with asyncrpc.spawn)"
+        f"the arguments of {label_of(func)} could not be sent to {worker!r}: {error}; {advice}"
     )
     raise named from error
 

@@ -139,7 +139,10 @@ class Job:
             _cancel.end(state)
         if placed:  # its place in its group goes to the next
             self.box.done(self)
-        self.out.set_result(check_sendable(value, self.label))
+        reply = check_sendable(value, self.label)
+        if state is not None:
+            _cancel.hand_over(state, reply)
+        self.out.set_result(reply)
         self.obj = self.args = self.kwargs = self.inner = None  # nothing kept once replied
 
     def cancel(self) -> bool:
@@ -176,7 +179,10 @@ def run_now(box: Box, group: tuple[str, bool], obj: object, name: str, args: Any
         if state.cancelled:
             result = Failure(cancelled_error(label))
         _cancel.end(state, settled=True)
-    return completed(check_sendable(result, label))
+    reply = check_sendable(result, label)
+    if state is not None:
+        _cancel.hand_over(state, reply)
+    return completed(reply)
 
 
 def call_method(cls: type, obj: object, name: str, args: Any, kwargs: Any, label: str) -> Any:

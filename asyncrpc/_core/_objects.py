@@ -33,6 +33,7 @@ from . import _hooks, _runtime, _torch
 from ._errors import ObjectLostError, SerializationError, WorkerUnreachableError
 from ._failures import Failure
 from ._futures import await_future, check_seconds, completed, gather, new_future, with_timeout
+from ._promised import Promised, take
 
 __all__ = ("Fetched", "ObjectRef", "fetch", "get", "has_refs", "put", "resolving")
 
@@ -259,24 +260,32 @@ def get(refs: ObjectRef[T] | Sequence[ObjectRef[Any]], timeout: float | None = N
     return values[0] if one else values
 
 
+_RESOLVED = (ObjectRef, Promised)  # top-level arguments that arrive as their values
+
+
 def has_refs(args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> bool:
-    """Whether a call's top-level arguments hold an ObjectRef."""
-    return any(isinstance(a, ObjectRef) for a in args or ()) or any(
-        isinstance(v, ObjectRef) for v in (kwargs or {}).values()
+    """Whether a call's top-level arguments hold an ObjectRef or a Future passed on."""
+    return any(isinstance(a, _RESOLVED) for a in args or ()) or any(
+        isinstance(v, _RESOLVED) for v in (kwargs or {}).values()
     )
+
+
+def _value_of(arg: ObjectRef[Any] | Promised) -> Future[Any]:
+    return fetch(arg) if isinstance(arg, ObjectRef) else take(arg)
 
 
 def resolving(
     args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> Future[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """A Future of (args, kwargs) with each top-level ObjectRef replaced by its value.
+    """A Future of (args, kwargs) with each top-level ObjectRef, and each Future passed on
+    (`_promised`), replaced by its value.
 
     Done at once when every value is here; failed (its Failure as the value)
-    with the first ref that could not be read.
+    with the first that could not be read, or whose Future failed.
     """
     args, kwargs = tuple(args), dict(kwargs)
-    waits = [(i, fetch(a)) for i, a in enumerate(args) if isinstance(a, ObjectRef)]
-    waits += [(k, fetch(v)) for k, v in kwargs.items() if isinstance(v, ObjectRef)]  # type: ignore[misc]
+    waits = [(i, _value_of(a)) for i, a in enumerate(args) if isinstance(a, _RESOLVED)]
+    waits += [(k, _value_of(v)) for k, v in kwargs.items() if isinstance(v, _RESOLVED)]  # type: ignore[misc]
     out: Future[tuple[tuple[Any, ...], dict[str, Any]]] = new_future()
     left = [len(waits)]
     lock = threading.Lock()

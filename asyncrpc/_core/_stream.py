@@ -39,6 +39,7 @@ from ._execution import start_coroutine
 from ._failures import Failure, capture, check_reply, hold, label_of
 from ._futures import completed, new_future
 from ._objects import has_refs, resolving
+from ._promised import release, release_after
 
 __all__ = ("DEFAULT_WINDOW", "Producers", "Stream", "check_window", "open_producers", "stream")
 
@@ -266,7 +267,11 @@ class Stream(Generic[T]):
         except BaseException:
             self._ended = True
             self._finalizer.detach()
+            if opening:
+                release(call.lent)
             raise
+        if opening and call.lent:  # Futures passed: read by the producer before its first reply
+            release_after(self._pending, call.lent)
 
 
 class _Nothing:

@@ -3,11 +3,13 @@
 A `ParameterServer` object holds a small ConvNet and an SGD optimizer;
 `DataWorker` objects each compute the gradient of one batch at the weights
 they are given. Every iteration the driver asks each worker for a gradient
-at the current weights, gathers them and hands them to `apply_gradients`,
-which sums them, steps once and returns the new weights; every 10
-iterations the driver evaluates them. The classes are Ray's without
-`@ray.remote`; with no object store, gradients and weights pass through the
-driver. Same seeds, model and data as Ray's: it prints the same numbers.
+at the current weights and passes the gradients' Futures straight to
+`apply_gradients`, which sums them, steps once and returns the new weights;
+every 10 iterations the driver evaluates them. The classes are Ray's without
+`@ray.remote`, and the loop is Ray's with `call_async` for `.remote`: a
+Future passed as an argument arrives as its value, sent by the worker that
+computed it, not through the driver, as an ObjectRef does in Ray. Same
+seeds, model and data as Ray's: it prints the same numbers.
 
     python examples/from_ray/parameter_server.py
 """
@@ -106,13 +108,13 @@ def main(ctx):
     test_data, test_target = next(batches(seed=1000, batch_size=1024))
 
     print("Running synchronous parameter server training.")
-    current_weights = ps.call("get_weights")
+    current_weights = ps.call_async("get_weights")
     for i in range(ITERATIONS):
         gradients = [worker.call_async("compute_gradients", current_weights) for worker in workers]
         # Calculate the update once every gradient is available.
-        current_weights = ps.call("apply_gradients", *asyncrpc.gather(gradients).wait())
+        current_weights = ps.call_async("apply_gradients", *gradients)
         if i % 10 == 0 or i == ITERATIONS - 1:  # evaluate the current model
-            model.set_weights(current_weights)
+            model.set_weights(current_weights.wait())
             accuracy, loss = evaluate(model, test_data, test_target)
             print(f"Iter {i}: accuracy is {accuracy:.1f}, loss {loss:.4f}")
 

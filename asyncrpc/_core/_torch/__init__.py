@@ -61,6 +61,7 @@ from ._agent import (
     group_key_prefix,
     known_ids,
     own_id,
+    own_name,
     release_user_rrefs,
     root_store,
     serving,
@@ -97,6 +98,7 @@ from ._notes import (
     parts_of,
     set_canceller,
     tag_future,
+    tag_of,
 )
 from ._originals import (
     UNSET_TIMEOUT,
@@ -218,6 +220,7 @@ __all__ = (
     "note_kind",
     "outcome",
     "own_id",
+    "own_name",
     "owner_view",
     "parts_of",
     "pipe_warning",
@@ -251,6 +254,7 @@ __all__ = (
     "storage_shared",
     "store_address",
     "tag_future",
+    "tag_of",
     "tensor_hooks",
     "tensor_tables",
     "tensor_version",

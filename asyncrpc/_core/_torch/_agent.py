@@ -41,6 +41,7 @@ __all__ = (
     "group_key_prefix",
     "known_ids",
     "own_id",
+    "own_name",
     "release_user_rrefs",
     "root_store",
     "serving",
@@ -75,6 +76,11 @@ def worker_info(name: str) -> WorkerInfo:
 def own_id() -> int:
     """This process's torch id in its agent's group."""
     return int(current_agent().get_worker_info().id)
+
+
+def own_name() -> str:
+    """This process's worker name in its agent's group."""
+    return str(current_agent().get_worker_info().name)
 
 
 def default_timeout() -> float:

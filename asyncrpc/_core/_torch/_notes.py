@@ -34,6 +34,7 @@ __all__ = (
     "parts_of",
     "set_canceller",
     "tag_future",
+    "tag_of",
 )
 
 
@@ -71,6 +72,11 @@ class Notes:
 def tag_future(fut: Any, tag: object) -> None:
     """Pass `tag` to the namer when reading `fut` raises torch's RuntimeError."""
     _runtime.part(Notes).tags[fut] = tag
+
+
+def tag_of(fut: Any) -> Any:
+    """`fut`'s tag (`tag_future`), or None: where the call behind it went."""
+    return _runtime.part(Notes).tags.get(fut)
 
 
 def guard_reads(fut: Any, check: Callable[[], None], blocking_only: bool = False) -> None:
