@@ -235,11 +235,17 @@ def test_a_busy_worker_shows_in_top_and_its_stack_in_the_dump(tmp_path: pathlib.
     assert top.returncode == 0, top.stderr
     header = top.stdout.splitlines()[1]
     for title in ("worker", "host", "pid", "RSS MB", "CPU %", "busy", "run", "out", "strm",
-                  "fail", "p50 ms", "p99 ms"):  # fmt: skip
+                  "fail", "p50 ms", "p99 ms", "objs", "obj MB"):  # fmt: skip
         assert title in header, header
     assert "busy: busy/total RPC threads" in top.stdout and "strm: open streams" in top.stdout
-    worker1 = next(line for line in top.stdout.splitlines() if line.startswith("worker1 "))
+    worker0, worker1 = (next(line for line in top.stdout.splitlines() if line.startswith(name))
+                        for name in ("worker0 ", "worker1 "))  # fmt: skip
     assert " 1/16 " in worker1, top.stdout
+    # worker0 keeps the 1 MiB it put; worker1 holds what it fetched.
+    assert worker0.split()[-2:] == ["1/0", "1.0"] and worker1.split()[-2:] == ["0/1", "1.0"]
+    assert dump["workers"][1]["objects"] == {
+        "kept": 0, "kept_bytes": 0, "fetched": 1, "fetched_bytes": 1 << 20
+    }  # fmt: skip
     crunch = dump["workers"][1]["threads"][0]
     assert crunch["call"] == "crunch()" and crunch["caller"] == "worker0"
     assert any("busy_world.py" in line and "in crunch" in line for line in crunch["stack"])

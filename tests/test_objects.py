@@ -89,6 +89,17 @@ def test_a_ref_made_elsewhere_reads_anywhere(world: asyncrpc.Context) -> None:
     assert asyncrpc.get([ref, asyncrpc.put(5)], timeout=30)[1] == 5
 
 
+def held_here() -> dict[str, int]:
+    from asyncrpc._core import _activity
+
+    return _activity.held()
+
+
+def held_while_reading(refs: list[asyncrpc.ObjectRef[torch.Tensor]]) -> dict[str, int]:
+    asyncrpc.get(refs[0])
+    return held_here()
+
+
 def test_a_borrower_fetches_once_and_lets_go_with_its_last_ref(world: asyncrpc.Context) -> None:
     ref = asyncrpc.put(torch.ones(1000))
     same, fetched = asyncrpc.rpc_sync("worker2", read_three_times, args=([ref],))
@@ -96,17 +107,26 @@ def test_a_borrower_fetches_once_and_lets_go_with_its_last_ref(world: asyncrpc.C
     keeper = asyncrpc.spawn("worker2", Keeper)
     for _ in range(5):  # calls that take the value: no further fetch
         assert keeper.call("load", ref) == 1000.0
+    held = asyncrpc.rpc_sync("worker2", held_while_reading, args=([ref],))
+    assert held["fetched"] >= 1 and held["fetched_bytes"] >= 4000  # as asyncrpc-top shows
     # Once no ref to it is held on worker2, the value fetched there is let go.
     assert until(lambda: asyncrpc.rpc_sync("worker2", fetches_here) == (0, 0), 15)
+    assert asyncrpc.rpc_sync("worker2", held_here)["fetched"] == 0
 
 
 def test_the_owner_frees_the_value_when_no_ref_is_left(world: asyncrpc.Context) -> None:
+    before = held_here()
     ref = asyncrpc.put(torch.ones(16))
     alive = weakref.ref(asyncrpc.get(ref))  # on its owner: the value kept
     assert asyncrpc.rpc_sync("worker1", total, args=(ref,)) == 16.0
     assert alive() is not None  # held while the ref lives
+    now = held_here()  # counted for asyncrpc-top and asyncrpc-dump
+    assert now["kept"] == before["kept"] + 1 and now["kept_bytes"] > before["kept_bytes"] + 64
     del ref
     assert until(lambda: gc.collect() >= 0 and alive() is None, 15)
+    after = until(lambda: held_here()["kept"] < now["kept"])
+    assert after, held_here()
+    assert held_here()["kept_bytes"] <= now["kept_bytes"] - 64
 
 
 def shared_here(refs: list[asyncrpc.ObjectRef[torch.Tensor]]) -> tuple[bool, float]:
@@ -173,5 +193,20 @@ def test_a_ref_whose_owner_died_is_lost_and_named() -> None:
         "as an argument: lost, named: ok",
         "passed inside a list: lost, named: ok",
         "a put on the replacement: ok",
+    ):
+        assert line in result.stdout, result.stdout + result.stderr[-3000:]
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(240)
+def test_values_live_exactly_while_refs_do_through_kills_and_thousands_of_puts() -> None:
+    """tests/programs/objects_lifetime.py: a hypothesis state machine in a world that heals."""
+    result = run_program("python", str(PROGRAMS / "objects_lifetime.py"), "10", "12", timeout=220)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for line in (
+        "lifetimes follow the refs: ok",
+        "workers killed on the way: ok",
+        "2000 puts passed on and dropped: nothing kept: ok",
+        "2000 puts of 64 KiB: memory grew < 32 MB: ok",
     ):
         assert line in result.stdout, result.stdout + result.stderr[-3000:]

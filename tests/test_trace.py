@@ -134,6 +134,25 @@ class Slow(torch.nn.Module):
         return x + 1
 
 
+def summed_first(refs: list[asyncrpc.ObjectRef[torch.Tensor]]) -> float:
+    return float(asyncrpc.get(refs[0]).sum())
+
+
+def test_a_fetch_of_an_object_shows_on_the_worker_that_fetched_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    ref = asyncrpc.put(torch.ones(1000))
+    with asyncrpc.trace(tmp_path / "fetch.json"):
+        assert asyncrpc.rpc_sync("worker2", summed_first, args=([ref],)) == 1000.0
+    events = load(tmp_path / "fetch.json")
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    fetches = [e for e in events if e["name"].startswith("asyncrpc.fetch")]
+    assert fetches and {names[e["pid"]] for e in fetches} == {"worker2"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e["name"] == "thread_name"}  # fmt: skip
+    assert "asyncrpc-fetch" in threads[fetches[0]["pid"], fetches[0]["tid"]]
+
+
 def test_members_on_threads_show_on_threads_of_their_worker(tmp_path: pathlib.Path) -> None:
     members = [Slow() for _ in range(2)]
     ensemble = asyncrpc.Ensemble(Slow, 4, workers=["worker1"], engine="threads", threads=2)

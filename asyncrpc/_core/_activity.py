@@ -1,4 +1,5 @@
-"""What this worker asks of others: its calls in flight, how long calls took, how many failed.
+"""What this worker asks of others: its calls in flight, how long calls took, how many failed;
+and the objects it holds (`put` here, or fetched here).
 
 Read by `asyncrpc-dump`, `asyncrpc-top` and hang reports (see `_snapshot`);
 the calls this worker runs for others are `_cancel`'s record. Per call it
@@ -25,6 +26,8 @@ __all__ = (
     "Outgoing",
     "ended",
     "failures",
+    "held",
+    "holding",
     "in_flight",
     "sent",
     "streams",
@@ -60,6 +63,8 @@ class Activity:
         self.failed = 0  # failures counted so far
         self.lock = threading.Lock()
         self.streams = 0
+        # Values `put` here and still referenced, their bytes; values fetched here, theirs.
+        self.held = [0, 0, 0, 0]
 
 
 def sent(worker: str, label: object, key: int) -> Outgoing:
@@ -105,3 +110,21 @@ def failures() -> int:
     activity = _runtime.part(Activity)
     with activity.lock:
         return activity.failed
+
+
+def holding(kept: int, kept_bytes: int, fetched: int = 0, fetched_bytes: int = 0) -> None:
+    """Count objects kept here (`put`) and values fetched here, in or out (negative)."""
+    activity = _runtime.part(Activity)
+    with activity.lock:
+        for i, delta in enumerate((kept, kept_bytes, fetched, fetched_bytes)):
+            activity.held[i] += delta
+
+
+def held() -> dict[str, int]:
+    """The objects this worker keeps for the world (`put` here, still referenced), the
+    values it fetched and holds, and their bytes (tensors' data, and pickled size)."""
+    activity = _runtime.part(Activity)
+    with activity.lock:
+        kept, kept_bytes, fetched, fetched_bytes = activity.held
+    return {"kept": kept, "kept_bytes": kept_bytes, "fetched": fetched,
+            "fetched_bytes": fetched_bytes}  # fmt: skip

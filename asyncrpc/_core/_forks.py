@@ -40,7 +40,7 @@ from . import _polling, _torch
 from ._errors import ObjectLostError, WorkerUnreachableError
 from ._membership import Members
 
-__all__ = ["adopt", "fork_here", "owned", "reduce"]
+__all__ = ["LENT", "adopt", "fork_here", "owned", "reduce"]
 
 
 def reduce(py_rref: Any, to: int, keep: list[Any] | None, me: int, members: Members) -> Any:
@@ -55,7 +55,14 @@ def reduce(py_rref: Any, to: int, keep: list[Any] | None, me: int, members: Memb
     owner = found if isinstance(found, int) else int(found.id)
     what = "returned by a call" if keep is None else "passed to a call"
     members.check_owner(owner, f"the object of an RRef or handle {what}")
-    if owner == me or (owner == to and keep is None):
+    if owner == me:
+        lent = _lent_hook(py_rref)
+        if lent is None:
+            return None  # torch's own fork
+        data = _torch.fork_from_owner(py_rref)  # the same fork, noted for `to`'s death
+        lent(to, data)
+        return (adopt, (data,))
+    if owner == to and keep is None:
         return None
     kind = _torch.rref_kind(py_rref)
     if kind is None:  # not made here by asyncrpc, nor received: torch's own remote()
@@ -66,7 +73,20 @@ def reduce(py_rref: Any, to: int, keep: list[Any] | None, me: int, members: Memb
     if owner == to and keep is not None:
         keep.append(py_rref)  # the owner keeps the object while this RRef lives
         return (owned, (owner, *_torch.rref_id(py_rref), kind))
-    return (adopt, (_lend(py_rref, owner, kind, members, what),))
+    return (adopt, (_lend(py_rref, owner, kind, members, what, to),))
+
+
+# An object that wants to hear of each fork of its RRef handed to another worker, so as
+# to delete those a worker that died held (an ObjectRef's value: `_objects`), has this
+# method: `_asyncrpc_lent(torch id, fork data)`.
+LENT = "_asyncrpc_lent"
+
+
+def _lent_hook(owner_rref: Any) -> Any:
+    try:
+        return getattr(owner_rref.local_value(), LENT, None)
+    except Exception:  # not made yet, or not a Python object: torch's own fork
+        return None
 
 
 def _confirmed(py_rref: Any, owner: int, members: Members) -> None:
@@ -100,8 +120,10 @@ def _confirmed(py_rref: Any, owner: int, members: Members) -> None:
 _CONFIRM_S = 60.0
 
 
-def _lend(py_rref: Any, owner: int, kind: str, members: Members, what: str) -> tuple[Any, ...]:
-    """Ask `owner` for a fork of `py_rref` that the callee takes in without a message.
+def _lend(py_rref: Any, owner: int, kind: str, members: Members, what: str,
+          to: int) -> tuple[Any, ...]:  # fmt: skip
+    """Ask `owner` for a fork of `py_rref` that the callee (torch id `to`) takes in without
+    a message.
 
     `what`: how the RRef crosses ("passed to a call"), for the error.
     """
@@ -110,7 +132,7 @@ def _lend(py_rref: Any, owner: int, kind: str, members: Members, what: str) -> t
         if name is None:
             raise WorkerUnreachableError(f"torch id {owner} is no member now", "")
         data: tuple[Any, ...] = _torch.rpc_sync(
-            members.info(name), fork_here, args=(*_torch.rref_id(py_rref), kind)
+            members.info(name), fork_here, args=(*_torch.rref_id(py_rref), kind, to)
         )
     except RuntimeError as exc:  # the owner died, or is dying: the object goes with it
         members.check_owner(owner, f"the object of an RRef or handle {what}")
@@ -123,10 +145,15 @@ def _lend(py_rref: Any, owner: int, kind: str, members: Members, what: str) -> t
     return data
 
 
-def fork_here(created_on: int, local_id: int, kind: str) -> tuple[Any, ...]:
-    """On the owner: a fork of its object's RRef, registered here, for another worker."""
+def fork_here(created_on: int, local_id: int, kind: str, to: int = -1) -> tuple[Any, ...]:
+    """On the owner: a fork of its object's RRef, registered here, for worker `to`."""
     me = _torch.own_id()
-    return _torch.fork_from_owner(_torch.owner_view(me, (created_on, local_id), kind))
+    owner_rref = _torch.owner_view(me, (created_on, local_id), kind)
+    data = _torch.fork_from_owner(owner_rref)
+    lent = _lent_hook(owner_rref) if to >= 0 else None
+    if lent is not None:
+        lent(to, data)
+    return data
 
 
 def owned(owner: int, created_on: int, local_id: int, kind: str) -> Any:

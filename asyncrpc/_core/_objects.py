@@ -20,16 +20,20 @@ A call whose top-level arguments hold refs runs once they are all here
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
+import sys
 import threading
 import weakref
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
+import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from . import _hooks, _runtime, _torch
+from . import _activity, _hooks, _runtime, _torch, _world
 from ._errors import ObjectLostError, SerializationError, WorkerUnreachableError
 from ._failures import Failure
 from ._futures import await_future, check_seconds, completed, gather, new_future, with_timeout
@@ -100,14 +104,91 @@ def put(value: T) -> ObjectRef[T]:
             actor.call_async("load_state_dict", ref)  # each actor gets the dict
     """
     try:
-        kept = _torch.snapshot_shared(value)
+        kept, size = _torch.snapshot_shared(value)
     except Exception as exc:
         raise SerializationError(
             f"put: the value could not be copied to keep ({type(exc).__name__}: {exc}); put "
             f"tensors, numbers, strings and containers of them, or objects of module-level "
             f"classes (keep other objects on their worker: asyncrpc.spawn)"
         ) from exc
-    return ObjectRef(rpc.RRef(kept))
+    return ObjectRef(rpc.RRef(_Kept(kept, size)))
+
+
+class _Kept:
+    """What an ObjectRef's RRef holds on its owner: the value, counted while it lives
+    (`asyncrpc-top`, `asyncrpc-dump`); torch drops it once no ref is left anywhere.
+
+    In a world that heals, it also notes the forks of its RRef handed to each
+    worker (`_forks`): a worker that dies holding some never deletes them, so the
+    owner does (`Lending`), and the value goes once no living worker holds a ref.
+    """
+
+    __slots__ = ("__weakref__", "forks", "value")
+
+    def __init__(self, value: object, size: int) -> None:
+        self.value = value
+        self.forks: dict[int, collections.deque[tuple[Any, ...]]] = {}
+        _activity.holding(1, size)
+        weakref.finalize(self, _activity.holding, -1, -size)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unkept, (self.value,))  # a copy read elsewhere is no longer counted
+
+    def _asyncrpc_lent(self, to: int, data: tuple[Any, ...]) -> None:  # `_forks.LENT`
+        forks = self.forks.get(to)
+        if forks is None:
+            forks = self.forks.setdefault(to, collections.deque(maxlen=_FORKS_NOTED))
+            _runtime.part(Lending).note(self)
+        forks.append(data)
+
+
+_FORKS_NOTED = 16  # the latest forks noted per worker and value (older ones: dropped by now)
+
+
+class Lending:
+    """The values put here whose refs went to other workers, in a world that heals
+    (a `_runtime` part): when one of them dies, the forks it held are deleted here."""
+
+    def __init__(self) -> None:
+        self.kept: weakref.WeakSet[_Kept] = weakref.WeakSet()
+        self.watching = False
+
+    def note(self, kept: _Kept) -> None:
+        self.kept.add(kept)
+        if not self.watching:
+            world = _world.running()
+            if world is not None and world.members is not None:
+                world.members.on_gone(_drop_forks_of)
+                self.watching = True
+
+
+def _drop_forks_of(torch_id: int) -> None:
+    """Process `torch_id` died or left: delete here the forks of values it held."""
+    for kept in list(_runtime.part(Lending).kept):
+        forks = kept.forks.pop(torch_id, ())
+        # Held by torch (and this loop): torch still has the value, so deleting a fork
+        # makes no new one (a value torch let go is skipped).
+        if forks and sys.getrefcount(kept) > 3:
+            for data in forks:
+                with contextlib.suppress(Exception):
+                    _torch.drop_fork(data)
+
+
+def _unkept(value: object) -> object:
+    return value
+
+
+def _size_of(value: object, depth: int = 4) -> int:
+    """The bytes of the tensors in `value` (in lists, tuples and dicts, `depth` deep)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if depth == 0:
+        return 0
+    if isinstance(value, dict):
+        return sum(_size_of(item, depth - 1) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_size_of(item, depth - 1) for item in value)
+    return 0
 
 
 class Fetched:
@@ -117,6 +198,7 @@ class Fetched:
         self.lock = threading.Lock()
         self.values: dict[Key, Future[Any]] = {}
         self.holders: dict[Key, int] = {}
+        self.sizes: dict[Key, int] = {}  # of the values read (counted in `_activity.held`)
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.machine: str | None = None
 
@@ -140,6 +222,18 @@ class Fetched:
                 return
             self.holders.pop(key, None)
             self.values.pop(key, None)
+            size = self.sizes.pop(key, None)
+        if size is not None:
+            _activity.holding(0, 0, -1, -size)
+
+    def read(self, key: Key, value: object) -> None:
+        """A value of `key` was fetched: counted while this process holds a ref to it."""
+        size = _size_of(value)
+        with self.lock:
+            if key not in self.values or key in self.sizes:
+                return  # let go already, while it was read
+            self.sizes[key] = size
+        _activity.holding(0, 0, 1, size)
 
     def fetch(self, ref: ObjectRef[Any]) -> Future[Any]:
         with self.lock:
@@ -167,15 +261,17 @@ class Fetched:
 
 
 def _read(ref: ObjectRef[Any], fut: Future[Any]) -> None:
-    try:
-        value = _read_shared(ref)
-        if value is _NOT_SHARED:
-            value = ref._rref.to_here()
+    try:  # named in a trace (asyncrpc.trace records every thread with torch's profiler)
+        with torch.profiler.record_function(f"asyncrpc.fetch {ref._key[0]}:{ref._key[1]}"):
+            value = _read_shared(ref)
+            if value is _NOT_SHARED:
+                value = ref._rref.to_here()
     except ObjectLostError as exc:
         fut.set_result(Failure(exc))
     except Exception as exc:
         fut.set_result(Failure(_lost(ref, exc)))
     else:
+        _runtime.part(Fetched).read(ref._key, value)
         fut.set_result(value)
 
 
@@ -204,8 +300,8 @@ def _shared_form(created_on: int, local_id: int, host: str) -> bytes | None:
     if host != _runtime.part(Fetched).host():
         return None
     me = _torch.own_id()
-    value = _torch.owner_view(me, (created_on, local_id), "").local_value()  # its own type
-    return _torch.dumps_shared(value)
+    kept = _torch.owner_view(me, (created_on, local_id), "").local_value()  # its own type
+    return _torch.dumps_shared(kept.value)
 
 
 def _lost(ref: ObjectRef[Any], cause: BaseException) -> ObjectLostError:
@@ -222,7 +318,7 @@ def _lost(ref: ObjectRef[Any], cause: BaseException) -> ObjectLostError:
 def fetch(ref: ObjectRef[T]) -> Future[T]:
     """A Future of `ref`'s value: done at once on its owner, fetched once elsewhere."""
     if ref._rref.is_owner():
-        return completed(ref._rref.local_value())
+        return completed(ref._rref.local_value().value)
     return _runtime.part(Fetched).fetch(ref)
 
 

@@ -3,13 +3,17 @@
 The watcher thread answers, so the answer needs no free RPC thread: a world
 whose every RPC thread is blocked still answers within milliseconds::
 
-    "dump": {name, rank, attempt, pid, host, total_threads,
+    "dump": {name, rank, attempt, pid, host, total_threads, objects,
              threads:   [{call, caller, age_s, stack, key, thread}]  the calls it runs
                          (stack: the thread's Python frames, or, for an async call
                          waiting at an `await`, its coroutine's)
              in_flight: [{to, call, age_s, key, parent}]            the calls it waits on}
     "top":  {name, rank, attempt, host, pid, rss_mb, cpu_percent, busy_threads, total_threads,
-             running, in_flight, streams, failures, p50_ms, p99_ms}
+             running, in_flight, streams, failures, p50_ms, p99_ms, objects}
+
+`objects`: {kept, kept_bytes, fetched, fetched_bytes}, the values `put` on
+this worker that a ref somewhere still holds, and the values it fetched and
+holds (`_activity.held`).
 
 `p50_ms`/`p99_ms` cover the calls that ended since the previous "top" (None
 when none did); `cpu_percent` the CPU time since then (since the world
@@ -88,6 +92,7 @@ class Reporter:
             "total_threads": self.threads,
             "threads": threads,
             "in_flight": in_flight,
+            "objects": _activity.held(),
         }
 
     def _running(
@@ -139,6 +144,7 @@ class Reporter:
             "failures": _activity.failures(),
             "p50_ms": _percentile(latencies, 0.50),
             "p99_ms": _percentile(latencies, 0.99),
+            "objects": _activity.held(),
         }
 
     def _who(self) -> dict[str, Any]:

@@ -4,13 +4,16 @@
 
 Each row: name (with "(attempt N)" for a worker replaced N times in a
 world that heals), host, pid, resident MB, CPU %, busy/total RPC threads,
-calls running, calls in flight, open streams, failures so far, and the p50
-and p99 latency of the calls that ended in the last interval. The live view
+calls running, calls in flight, open streams, failures so far, the p50
+and p99 latency of the calls that ended in the last interval, and the
+objects it holds: values `put` there that a ref still holds / values it
+fetched, and their MB. The live view
 draws with `rich` (`pip install 'asyncrpc[top]'`); without it, a table is
 printed each interval. `--once` prints one snapshot (`--json`: as
 ``{"world", "workers": [{"name", "rank", "attempt", "host", "pid", "rss_mb", "cpu_percent",
 "busy_threads", "total_threads", "running", "in_flight", "streams",
-"failures", "p50_ms", "p99_ms"}]}``).
+"failures", "p50_ms", "p99_ms", "objects": {"kept", "kept_bytes", "fetched",
+"fetched_bytes"}}]}``).
 """
 
 from __future__ import annotations
@@ -38,19 +41,20 @@ __all__ = ("COLUMNS", "main", "rows")
 # The keys of a row; a worker that does not answer has them as None.
 _BLANK = dict.fromkeys(
     ("rss_mb", "cpu_percent", "busy_threads", "total_threads", "running", "in_flight",
-     "streams", "failures", "p50_ms", "p99_ms")
+     "streams", "failures", "p50_ms", "p99_ms", "objects")
 )  # fmt: skip
 
 COLUMNS = (
     ("worker", "name"), ("host", "host"), ("pid", "pid"), ("RSS MB", "rss_mb"),
     ("CPU %", "cpu_percent"), ("busy", "threads"), ("run", "running"),
     ("out", "in_flight"), ("strm", "streams"), ("fail", "failures"),
-    ("p50 ms", "p50_ms"), ("p99 ms", "p99_ms"),
+    ("p50 ms", "p50_ms"), ("p99 ms", "p99_ms"), ("objs", "objects"), ("obj MB", "object_mb"),
 )  # fmt: skip
 # Short titles, so that the table fits an 80-column terminal; the legend says them whole.
 LEGEND = (
     "busy: busy/total RPC threads  run: calls running  out: calls in flight to others",
     "strm: open streams  fail: failures so far  p50/p99: latency in the last interval",
+    "objs: values put there (a ref holds) / values fetched there  obj MB: their size",
 )
 
 
@@ -69,11 +73,21 @@ def rows(workers: list[dict[str, Any]]) -> list[list[str]]:
                 cells.append(_name(worker))
             elif key == "threads":
                 cells.append(f"{worker['busy_threads']}/{worker['total_threads']}")
+            elif key in ("objects", "object_mb"):
+                cells.append(_objects(worker.get("objects"), key))
             else:
                 value = worker.get(key)
                 cells.append("-" if value is None else str(value))
         out.append(cells)
     return out
+
+
+def _objects(held: dict[str, int] | None, key: str) -> str:
+    if not held:  # a worker of an older asyncrpc, or one that did not answer
+        return "-"
+    if key == "objects":
+        return f"{held['kept']}/{held['fetched']}"
+    return f"{(held['kept_bytes'] + held['fetched_bytes']) / 2**20:.1f}"
 
 
 def _name(worker: dict[str, Any]) -> str:

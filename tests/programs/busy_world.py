@@ -2,8 +2,9 @@
 
     python tests/programs/busy_world.py SECONDS [--torch]
 
-worker0 calls `crunch(SECONDS)` on worker1 (a sync sleep in a loop), and
-prints BUSY once the call has started. With --torch the world is started by
+worker0 puts 1 MiB that worker1 fetches and holds (asyncrpc-top's objects),
+calls `crunch(SECONDS)` on worker1 (a sync sleep in a loop), and prints
+BUSY once the call has started. With --torch the world is started by
 torch's own rpc.init_rpc (mp.spawn, 2 processes), and asyncrpc only makes
 the call. Under a launcher (asyncrpc-launch, torchrun) it joins the
 launcher's world.
@@ -13,9 +14,17 @@ import os
 import sys
 import time
 
+import torch
+
 import asyncrpc
 
 _started = [0.0]
+_held: list[object] = []
+
+
+def hold(refs: list[asyncrpc.ObjectRef[torch.Tensor]]) -> float:
+    _held.append(refs[0])
+    return float(asyncrpc.get(refs[0]).sum())
 
 
 def crunch(seconds: float) -> str:
@@ -32,6 +41,8 @@ def started() -> float:
 
 def main(ctx: asyncrpc.Context, seconds: float) -> None:
     if ctx.rank == 0:
+        weights = asyncrpc.put(torch.ones(1 << 18))  # 1 MiB, kept here, held by worker1
+        asyncrpc.rpc_sync("worker1", hold, args=([weights],))
         fut = asyncrpc.rpc_async("worker1", crunch, args=(seconds,))
         while not asyncrpc.rpc_sync("worker1", started):
             time.sleep(0.05)

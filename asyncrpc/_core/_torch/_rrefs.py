@@ -42,6 +42,7 @@ __all__ = (
     "adopt_fork",
     "check_received",
     "created",
+    "drop_fork",
     "fork_from_owner",
     "note_kind",
     "owner_view",
@@ -177,6 +178,14 @@ def fork_from_owner(owner_rref: Any) -> tuple[Any, ...]:
 def adopt_fork(data: tuple[Any, ...]) -> Any:
     """A fork made by its owner (`fork_from_owner`), taken in: torch sends no message."""
     return PyRRef._deserialize(data)
+
+
+def drop_fork(data: tuple[Any, ...]) -> None:
+    """On the owner: delete the fork `data` it made (`fork_from_owner`) for a process that
+    died holding it, as torch deletes a fork its owner sent itself (delForkOfOwner: the
+    owner's object goes with its last fork). Its object must still exist here: torch
+    would make an empty one otherwise."""
+    PyRRef._deserialize(data)
 
 
 def patch_pickling(patches: Patches, hooks: Hooks) -> None:

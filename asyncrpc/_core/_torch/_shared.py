@@ -79,13 +79,15 @@ def dumps_shared(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def snapshot_shared(value: Any) -> Any:
-    """A copy of `value` as it is now, its plain CPU tensors copied into shared memory
-    (once: readers on this machine then map them); other parts copied by pickling."""
+def snapshot_shared(value: Any) -> tuple[Any, int]:
+    """(A copy of `value` as it is now, its size in bytes): its plain CPU tensors copied
+    into shared memory (once: readers on this machine then map them), other parts copied
+    by pickling; the size counts both."""
     buffer = io.BytesIO()
     copies: list[torch.Tensor] = []
     _SharingPickler(buffer, copies).dump(value)
-    return pickle.loads(buffer.getvalue())  # the copies' memory, mapped again
+    size = buffer.tell() + sum(t.untyped_storage().nbytes() for t in copies)
+    return pickle.loads(buffer.getvalue()), size  # the copies' memory, mapped again
 
 
 def loads_shared(payload: bytes) -> Any:
