@@ -34,10 +34,10 @@ from torch.futures import Future
 from ._core import _calls, _cancel, _torch
 from ._core._errors import BatchNotSentError, CancelledError, WorkerUnreachableError
 from ._core._execution import Kind, classify, run_python, run_python_async, run_resolved
-from ._core._failures import hold, label_of
+from ._core._failures import Failure, hold, label_of
 from ._core._futures import Settle, completed, failed
 from ._core._objects import has_refs
-from ._core._promised import release_after
+from ._core._promised import Promised, release_after
 
 __all__ = ("Batch", "run_batch")
 
@@ -259,7 +259,13 @@ def run_batch(entries: list[_Entry]) -> Future[list[Any]]:
     """
     outcomes: list[Any] = []
     waiting: list[int] = []
+    ended: dict[int, Any] = {}  # the outcomes of this message's sync calls, by key
     for func, args, kwargs, key in entries:
+        if ended and has_refs(args, kwargs):
+            args, kwargs, failed = _ended_here(args, kwargs, ended)
+            if failed is not None:  # a Future of a call before it failed: it does not run
+                outcomes.append(failed)
+                continue
         if has_refs(args, kwargs):  # each arrives as its value, as for a call alone
             waiting.append(len(outcomes))
             outcomes.append(run_resolved(func, args, kwargs, key))
@@ -267,7 +273,7 @@ def run_batch(entries: list[_Entry]) -> Future[list[Any]]:
             waiting.append(len(outcomes))
             outcomes.append(run_python_async(func, args, kwargs, key))
         else:
-            outcomes.append(run_python(func, args, kwargs, key))
+            outcomes.append(ended.setdefault(key, run_python(func, args, kwargs, key)))
     if not waiting:
         return completed(outcomes)
 
@@ -277,6 +283,23 @@ def run_batch(entries: list[_Entry]) -> Future[list[Any]]:
         return outcomes
 
     return torch.futures.collect_all([outcomes[i] for i in waiting]).then(fill)
+
+
+def _ended_here(args: tuple[Any, ...], kwargs: dict[str, Any],
+                ended: dict[int, Any]) -> tuple[Any, Any, Any]:  # fmt: skip
+    """Futures passed of calls of this same message that ended: their outcomes (their
+    worker runs them no more, and their caller has none until this message replies)."""
+    me = _torch.own_name()
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, Promised) and value.worker == me and value.key in ended:
+            return ended[value.key]
+        return value
+
+    args = tuple(swap(a) for a in args)
+    kwargs = {k: swap(v) for k, v in kwargs.items()}
+    failed = next((v for v in (*args, *kwargs.values()) if type(v) is Failure), None)
+    return args, kwargs, failed
 
 
 def _outcome(fut: Future[Any]) -> Any:

@@ -53,8 +53,9 @@ from ._core._errors import (
 from ._core._failures import hold
 from ._core._futures import new_future
 from ._core._mailbox import invoke, no_method, skip_turn
+from ._core._objects import has_refs
 from ._core._promised import lend, release
-from ._core._stream import DEFAULT_WINDOW, Stream, check_window
+from ._core._stream import DEFAULT_WINDOW, Stream, check_window, resolving_first
 from ._family import Family, family_for, my_name
 from ._retry import await_notice, call_async_retrying, call_retrying
 
@@ -81,8 +82,12 @@ def _invoke_stream(
     """A handle's stream: the generator its method returns (see `_core._stream`).
 
     The RRef comes last, as `invoke`'s does (an unpicklable argument fails first).
+    Its ObjectRefs and Futures passed arrive as values, as for the other verbs.
     """
-    return _method(rref.local_value(), name)(*args, **kw)
+    method = _method(rref.local_value(), name)
+    if has_refs(args, kw):
+        return resolving_first(method, args, kw)
+    return method(*args, **kw)
 
 
 def _parameter_rrefs(rref: rpc.RRef[torch.nn.Module]) -> list[rpc.RRef[torch.Tensor]]:

@@ -70,6 +70,7 @@ CORE_TIERS: dict[str, list[str]] = {
         "_loop",
         "_sendable",
         "_promised",
+        "_kept",
         "_objects",
         "_execution",
         "_job",

@@ -144,6 +144,47 @@ def test_put_keeps_a_copy_that_readers_of_this_machine_map(world: asyncrpc.Conte
         asyncrpc.put(lambda: 1)
 
 
+def collect_at_each_future() -> None:
+    """On a worker: a gc pass at every Future this worker's fetches make (as Python may)."""
+    from asyncrpc._core import _objects
+
+    original = _objects.new_future
+
+    def new_future() -> torch.futures.Future[object]:
+        gc.collect()
+        return original()
+
+    _objects.new_future = new_future  # type: ignore[assignment]
+    GC_AT[:] = [original]
+
+
+def stop_collecting() -> None:
+    from asyncrpc._core import _objects
+
+    _objects.new_future = GC_AT.pop()  # type: ignore[assignment]
+
+
+GC_AT: list[object] = []
+
+
+def keep_in_a_cycle(refs: list[asyncrpc.ObjectRef[torch.Tensor]]) -> int:
+    cycle: list[object] = [refs[0]]
+    cycle.append(cycle)  # a ref only gc frees: its finalizer runs inside a fetch
+    return 0
+
+
+def test_a_ref_freed_by_gc_during_a_fetch_changes_nothing(world: asyncrpc.Context) -> None:
+    asyncrpc.rpc_sync("worker1", collect_at_each_future)
+    try:
+        for n in range(3):
+            asyncrpc.rpc_sync("worker1", keep_in_a_cycle, args=([asyncrpc.put(torch.ones(2))],))
+            got = asyncrpc.rpc_sync("worker1", total, args=(asyncrpc.put(torch.ones(n + 1)),),
+                                    timeout=20)  # fmt: skip
+            assert got == n + 1
+    finally:
+        asyncrpc.rpc_sync("worker1", stop_collecting)
+
+
 def test_get_says_what_was_wrong(world: asyncrpc.Context) -> None:
     with pytest.raises(TypeError, match=r"expected an ObjectRef or a list of them, got int 5"):
         asyncrpc.get(5)  # type: ignore[call-overload]
@@ -151,6 +192,10 @@ def test_get_says_what_was_wrong(world: asyncrpc.Context) -> None:
         asyncrpc.get([asyncrpc.put(1), "x"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"timeout=0 would mean no timeout"):
         asyncrpc.get(asyncrpc.put(1), timeout=0)
+    with pytest.raises(TypeError, match=r"got a Future .*read a Future with fut.wait\(\)"):
+        asyncrpc.get(asyncrpc.rpc_async("worker1", total, args=(torch.ones(1),)))  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"put: got ObjectRef\(.*which is a ref already"):
+        asyncrpc.put(asyncrpc.put(1))
 
 
 def ref_per_item(n: int) -> Iterator[asyncrpc.ObjectRef[torch.Tensor]]:
@@ -192,6 +237,7 @@ def test_a_ref_whose_owner_died_is_lost_and_named() -> None:
         "get: lost, named: ok",
         "as an argument: lost, named: ok",
         "passed inside a list: lost, named: ok",
+        "a value read before: lost, named: ok",
         "a put on the replacement: ok",
     ):
         assert line in result.stdout, result.stdout + result.stderr[-3000:]

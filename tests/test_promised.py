@@ -61,6 +61,22 @@ def lent_and_taking() -> tuple[int, int]:
     return kept, sum(bool(state.takers) for state in _cancel.running_calls())
 
 
+async def slow_async_add(x: float, y: float) -> float:
+    import asyncio
+
+    await asyncio.sleep(5)
+    return x + y
+
+
+def add(x: float, y: float) -> float:
+    RAN.append("add")
+    return x + y
+
+
+def first_of(items: list[float]) -> Iterator[float]:
+    yield from items
+
+
 class Adder:
     def __init__(self) -> None:
         self.total = torch.zeros(3)
@@ -72,6 +88,10 @@ class Adder:
 
     def scaled(self, x: torch.Tensor, by: float) -> torch.Tensor:
         return x * by
+
+    def counted(self, x: torch.Tensor, times: int = 2) -> Iterator[float]:
+        for _ in range(times):
+            yield float(x.sum())
 
 
 def test_a_pending_future_arrives_as_its_value_on_every_verb(world: asyncrpc.Context) -> None:
@@ -220,3 +240,57 @@ def _failed(args: list[object]) -> torch.futures.Future[float]:
     out: torch.futures.Future[float] = torch.futures.Future()
     out.set_exception(next(a for a in args if isinstance(a, BaseException)))  # type: ignore[arg-type]
     return out
+
+
+def test_a_future_that_fails_after_it_was_passed_fails_the_call(world: asyncrpc.Context) -> None:
+    asyncrpc.rpc_sync("worker2", forget)
+    x = asyncrpc.rpc_async("worker1", slow_async_add, args=(1.0, 1.0))
+    y = asyncrpc.rpc_async("worker2", add, args=(x, 1.0), timeout=20)
+    assert x.cancel()
+    with pytest.raises(asyncrpc.CancelledError):
+        y.wait()
+    mine: torch.futures.Future[float] = torch.futures.Future()
+    z = asyncrpc.rpc_async("worker2", add, args=(mine, 1.0), timeout=20)
+    mine.set_exception(ValueError("no value after all"))
+    with pytest.raises(ValueError, match="no value after all"):
+        z.wait()
+    # Failed before it was passed: that failure, whatever its call did next.
+    late = asyncrpc.rpc_async("worker1", slow_add, args=(1.0, 1.0, 1.0), timeout=0.2)
+    with pytest.raises(asyncrpc.CallTimeoutError):
+        late.wait()
+    with pytest.raises(asyncrpc.CallTimeoutError):
+        asyncrpc.rpc_sync("worker2", add, args=(late, 1.0))
+    assert asyncrpc.rpc_sync("worker2", ran) == []
+
+
+def test_a_call_given_up_lets_go_of_the_futures_it_took(world: asyncrpc.Context) -> None:
+    never: torch.futures.Future[float] = torch.futures.Future()
+    for _ in range(20):
+        taker = asyncrpc.rpc_async("worker2", add, args=(never, 1.0))
+        assert taker.cancel()
+    assert until(lambda: lent_and_taking() == (0, 0))
+    never.set_result(1.0)
+
+
+def test_a_batch_passes_a_future_of_its_own_calls_on(world: asyncrpc.Context) -> None:
+    for second in ("worker1", "worker2"):
+        with asyncrpc.Batch() as batch:
+            x = batch.rpc_async("worker1", add, args=(1.0, 1.0))
+            y = batch.rpc_async(second, add, args=(x, 1.0))
+            bad = batch.rpc_async("worker1", fail, args=("in the batch",))
+            z = batch.rpc_async("worker1", add, args=(bad, 1.0))
+        assert (x.wait(), y.wait()) == (2.0, 3.0)
+        with pytest.raises(KeyError, match="in the batch"):
+            z.wait()
+
+
+def test_a_handle_stream_takes_futures_and_refs_as_values(world: asyncrpc.Context) -> None:
+    adder = asyncrpc.spawn("worker2", Adder)
+    x = asyncrpc.rpc_async("worker1", slow_add, args=(torch.ones(2), 1.0))
+    assert list(adder.stream("counted", x, times=3)) == [4.0, 4.0, 4.0]
+    ref = asyncrpc.put(torch.ones(3))
+    assert list(adder.stream("counted", ref)) == [3.0, 3.0]
+    assert list(asyncrpc.stream("worker1", first_of, args=(asyncrpc.put([1.0, 2.0]),))) == [
+        1.0,
+        2.0,
+    ]

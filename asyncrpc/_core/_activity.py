@@ -65,6 +65,9 @@ class Activity:
         self.streams = 0
         # Values `put` here and still referenced, their bytes; values fetched here, theirs.
         self.held = [0, 0, 0, 0]
+        # Changes to `held` not counted yet: a finalizer (run by gc on any thread, maybe
+        # one that holds `lock`) only appends here, which takes no lock.
+        self.holdings: collections.deque[tuple[int, int, int, int]] = collections.deque()
 
 
 def sent(worker: str, label: object, key: int) -> Outgoing:
@@ -113,10 +116,22 @@ def failures() -> int:
 
 
 def holding(kept: int, kept_bytes: int, fetched: int = 0, fetched_bytes: int = 0) -> None:
-    """Count objects kept here (`put`) and values fetched here, in or out (negative)."""
+    """Count objects kept here (`put`) and values fetched here, in or out (negative).
+
+    Safe in a finalizer: it waits for no lock (counted now if the lock is free,
+    else by the next `holding` or `held` that finds it free)."""
     activity = _runtime.part(Activity)
-    with activity.lock:
-        for i, delta in enumerate((kept, kept_bytes, fetched, fetched_bytes)):
+    activity.holdings.append((kept, kept_bytes, fetched, fetched_bytes))
+    if activity.lock.acquire(blocking=False):
+        try:
+            _count(activity)
+        finally:
+            activity.lock.release()
+
+
+def _count(activity: Activity) -> None:
+    while activity.holdings:
+        for i, delta in enumerate(activity.holdings.popleft()):
             activity.held[i] += delta
 
 
@@ -125,6 +140,7 @@ def held() -> dict[str, int]:
     values it fetched and holds, and their bytes (tensors' data, and pickled size)."""
     activity = _runtime.part(Activity)
     with activity.lock:
+        _count(activity)
         kept, kept_bytes, fetched, fetched_bytes = activity.held
     return {"kept": kept, "kept_bytes": kept_bytes, "fetched": fetched,
             "fetched_bytes": fetched_bytes}  # fmt: skip

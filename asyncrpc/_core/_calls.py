@@ -297,6 +297,8 @@ def send(call: Call, cancellable: bool = True) -> Future[Any]:
         _watched(call, fut, None)
     if replied is not None:
         fut.add_done_callback(replied)
+    if call.lent:  # read by the callee once it replied; or given up: cancelled, timed out
+        release_after(fut, call.lent)
     if unwaited_logging():
         watch_unwaited(fut, call.worker, call.label)
     return fut  # type: ignore[no-any-return]
@@ -306,6 +308,8 @@ def send_remote(call: Call) -> rpc.RRef[Any]:
     """torch's remote for a checked call; the owner keeps the value (or the Failure)."""
     rref, _, replied = _dispatch(call, remote=True)
     _watched(call, _torch.rref_future(rref), replied)
+    if call.lent:
+        release_after(_torch.rref_future(rref), call.lent)
     return rref  # type: ignore[no-any-return]
 
 
@@ -348,8 +352,6 @@ def _dispatch(call: Call, remote: bool) -> tuple[Any, bool, Callable[[Any], None
     except Exception as exc:
         release(call.lent)
         raise_unsendable(exc, call.worker, call.label)
-    if call.lent:  # the callee has read the Futures passed once the call has replied
-        release_after(_torch.rref_future(out) if remote else out, call.lent)
     if remote and healing is not None:  # `_forks` may send it on before its owner confirmed it
         _torch.note_kind(out, _torch.PY_OBJECT if func in _RUNNERS else _torch.PENDING)
     return out, func is traced, replied

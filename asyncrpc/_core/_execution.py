@@ -42,7 +42,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.futures import Future
 
-from . import _cancel, _loop, _objects, _runtime, _torch
+from . import _cancel, _loop, _objects, _promised, _runtime, _torch
 from ._errors import CancelledError, NotAFutureError
 from ._failures import Failure, capture, check_reply, label_of
 from ._futures import await_future, completed, new_future
@@ -223,10 +223,9 @@ def run_resolved(
 
 
 def _run_resolved(func: Callable[..., Any], key: int, ready: Future[Any]) -> Future[Any]:
-    ok, value = _torch.outcome(ready)
-    if not ok or isinstance(value, Failure):
-        error = value.error if ok else value
-        return completed(_captured(error, _called(func, ()), False))
+    value = _promised.outcome(ready)  # (args, kwargs), or the Failure of an argument
+    if isinstance(value, Failure):
+        return completed(_captured(value.error, _called(func, ()), False))
     args, kwargs = value
     return run_python_async(func, args, kwargs, key)
 

@@ -62,6 +62,7 @@ from ._failures import Failure
 from ._futures import completed, new_future
 from ._job import Job, no_method, run_now
 from ._objects import has_refs, resolving
+from ._promised import outcome
 
 __all__ = (
     "ASYNC_LIMIT",
@@ -153,16 +154,16 @@ def _deliver_resolved(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 def _deliver_ready(ready: Future[Any], name: str, ticket: list[Any], rref: Any) -> Future[Any]:
-    ok, value = _torch.outcome(ready)
+    value = outcome(ready)  # (args, kwargs), or the Failure of an argument
     state = _cancel.current()
-    if ok and not isinstance(value, Failure) and not (state is not None and state.cancelled):
+    if not isinstance(value, Failure) and not (state is not None and state.cancelled):
         args, kwargs = value
         return _deliver(name, args, kwargs, ticket, rref)
     skip_turn(ticket, rref)  # it never runs: its number goes to the next call
     if state is not None and state.cancelled:
         label = f"{type(rref.local_value()).__qualname__}.{name}()"
         return completed(Failure(cancelled_error(label, before=True)))
-    return completed(value if ok else Failure(value))
+    return completed(value)
 
 
 def skip_turn(ticket: list[Any], rref: Any) -> None:

@@ -20,10 +20,7 @@ A call whose top-level arguments hold refs runs once they are all here
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import contextlib
-import sys
 import threading
 import weakref
 from collections.abc import Generator, Mapping, Sequence
@@ -33,11 +30,12 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from . import _activity, _hooks, _runtime, _torch, _world
+from . import _activity, _hooks, _runtime, _torch
 from ._errors import ObjectLostError, SerializationError, WorkerUnreachableError
 from ._failures import Failure
 from ._futures import await_future, check_seconds, completed, gather, new_future, with_timeout
-from ._promised import Promised, take
+from ._kept import Kept, size_of
+from ._promised import Promised, outcome, take
 
 __all__ = ("Fetched", "ObjectRef", "fetch", "get", "has_refs", "put", "resolving")
 
@@ -103,6 +101,11 @@ def put(value: T) -> ObjectRef[T]:
         for actor in actors:
             actor.call_async("load_state_dict", ref)  # each actor gets the dict
     """
+    if isinstance(value, ObjectRef):
+        raise TypeError(
+            f"put: got {value!r}, which is a ref already; pass it on as it is (refs travel), "
+            f"or put asyncrpc.get(ref) to keep a copy here"
+        )
     try:
         kept, size = _torch.snapshot_shared(value)
     except Exception as exc:
@@ -111,91 +114,16 @@ def put(value: T) -> ObjectRef[T]:
             f"tensors, numbers, strings and containers of them, or objects of module-level "
             f"classes (keep other objects on their worker: asyncrpc.spawn)"
         ) from exc
-    return ObjectRef(rpc.RRef(_Kept(kept, size)))
-
-
-class _Kept:
-    """What an ObjectRef's RRef holds on its owner: the value, counted while it lives
-    (`asyncrpc-top`, `asyncrpc-dump`); torch drops it once no ref is left anywhere.
-
-    In a world that heals, it also notes the forks of its RRef handed to each
-    worker (`_forks`): a worker that dies holding some never deletes them, so the
-    owner does (`Lending`), and the value goes once no living worker holds a ref.
-    """
-
-    __slots__ = ("__weakref__", "forks", "value")
-
-    def __init__(self, value: object, size: int) -> None:
-        self.value = value
-        self.forks: dict[int, collections.deque[tuple[Any, ...]]] = {}
-        _activity.holding(1, size)
-        weakref.finalize(self, _activity.holding, -1, -size)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_unkept, (self.value,))  # a copy read elsewhere is no longer counted
-
-    def _asyncrpc_lent(self, to: int, data: tuple[Any, ...]) -> None:  # `_forks.LENT`
-        forks = self.forks.get(to)
-        if forks is None:
-            forks = self.forks.setdefault(to, collections.deque(maxlen=_FORKS_NOTED))
-            _runtime.part(Lending).note(self)
-        forks.append(data)
-
-
-_FORKS_NOTED = 16  # the latest forks noted per worker and value (older ones: dropped by now)
-
-
-class Lending:
-    """The values put here whose refs went to other workers, in a world that heals
-    (a `_runtime` part): when one of them dies, the forks it held are deleted here."""
-
-    def __init__(self) -> None:
-        self.kept: weakref.WeakSet[_Kept] = weakref.WeakSet()
-        self.watching = False
-
-    def note(self, kept: _Kept) -> None:
-        self.kept.add(kept)
-        if not self.watching:
-            world = _world.running()
-            if world is not None and world.members is not None:
-                world.members.on_gone(_drop_forks_of)
-                self.watching = True
-
-
-def _drop_forks_of(torch_id: int) -> None:
-    """Process `torch_id` died or left: delete here the forks of values it held."""
-    for kept in list(_runtime.part(Lending).kept):
-        forks = kept.forks.pop(torch_id, ())
-        # Held by torch (and this loop): torch still has the value, so deleting a fork
-        # makes no new one (a value torch let go is skipped).
-        if forks and sys.getrefcount(kept) > 3:
-            for data in forks:
-                with contextlib.suppress(Exception):
-                    _torch.drop_fork(data)
-
-
-def _unkept(value: object) -> object:
-    return value
-
-
-def _size_of(value: object, depth: int = 4) -> int:
-    """The bytes of the tensors in `value` (in lists, tuples and dicts, `depth` deep)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if depth == 0:
-        return 0
-    if isinstance(value, dict):
-        return sum(_size_of(item, depth - 1) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_size_of(item, depth - 1) for item in value)
-    return 0
+    return ObjectRef(rpc.RRef(Kept(kept, size)))
 
 
 class Fetched:
     """This process's fetched values, by ref, while it holds refs to them (a `_runtime` part)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Reentrant: a ref's finalizer (`_let_go`) may run in a gc pass on a thread that
+        # holds the lock already (one allocating a Future here).
+        self.lock = threading.RLock()
         self.values: dict[Key, Future[Any]] = {}
         self.holders: dict[Key, int] = {}
         self.sizes: dict[Key, int] = {}  # of the values read (counted in `_activity.held`)
@@ -228,7 +156,7 @@ class Fetched:
 
     def read(self, key: Key, value: object) -> None:
         """A value of `key` was fetched: counted while this process holds a ref to it."""
-        size = _size_of(value)
+        size = size_of(value)
         with self.lock:
             if key not in self.values or key in self.sizes:
                 return  # let go already, while it was read
@@ -319,6 +247,11 @@ def fetch(ref: ObjectRef[T]) -> Future[T]:
     """A Future of `ref`'s value: done at once on its owner, fetched once elsewhere."""
     if ref._rref.is_owner():
         return completed(ref._rref.local_value().value)
+    found = _torch.rref_owner(ref._rref)
+    try:  # in a world that heals: its owner died (a value fetched before goes with it)
+        _torch.check_received(found if isinstance(found, int) else int(found.id))
+    except ObjectLostError as exc:
+        return completed(Failure(_lost(ref, exc)))  # type: ignore[arg-type]
     return _runtime.part(Fetched).fetch(ref)
 
 
@@ -337,6 +270,11 @@ def get(refs: ObjectRef[T] | Sequence[ObjectRef[Any]], timeout: float | None = N
         asyncrpc.get([ref, asyncrpc.put(4)], timeout=10)  # [{'step': 3}, 4]
     """
     one = isinstance(refs, ObjectRef)
+    if isinstance(refs, _torch.FutureType):
+        raise TypeError(
+            f"get: expected an ObjectRef or a list of them, got a Future {refs!r:.60}; "
+            f"read a Future with fut.wait() (or await it), or pass it to a call as it is"
+        )
     if not one and not isinstance(refs, (list, tuple)):
         raise TypeError(
             f"get: expected an ObjectRef or a list of them, got {type(refs).__name__} "
@@ -389,9 +327,9 @@ def resolving(
     def settle() -> None:
         values = dict(args=list(args), kwargs=kwargs)
         for where, fut in waits:
-            ok, value = _torch.outcome(fut)
-            if not ok or isinstance(value, Failure):
-                out.set_result(value if ok else Failure(value))  # type: ignore[arg-type]
+            value = outcome(fut)
+            if isinstance(value, Failure):
+                out.set_result(value)  # type: ignore[arg-type]
                 return
             target = values["args"] if isinstance(where, int) else values["kwargs"]
             target[where] = value  # type: ignore[index]

@@ -34,9 +34,9 @@ from typing import Any
 from torch.futures import Future
 
 from . import _cancel, _runtime, _torch, _world
-from ._errors import ObjectLostError
+from ._errors import ObjectLostError, SerializationError
 from ._failures import Failure, hold
-from ._futures import completed, new_future
+from ._futures import Settle, completed, new_future
 
 __all__ = ("Lent", "Promised", "lend", "release_after", "take")
 
@@ -69,6 +69,8 @@ class Lent:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.futures: dict[int, Future[Any]] = {}
+        # The answers callees wait for (`lent_value`), by number: given up when released.
+        self.asked: dict[int, list[Settle]] = {}
         self.numbers = itertools.count(1)
 
 
@@ -84,11 +86,13 @@ def lend(
     def swap(value: Any) -> Any:
         if not isinstance(value, _torch.FutureType):
             return value
-        if value.done():
-            ok, outcome = _torch.outcome(value)
-            if ok and type(outcome) is not Failure:
-                return outcome  # nothing to wait for: the value goes as it is
-        promised = _promise(value)
+        done = value.done()
+        if done:
+            read = outcome(value)
+            if type(read) is not Failure:
+                return read  # nothing to wait for: the value goes as it is
+        # Failed already: its caller has the failure, whatever its callee does next.
+        promised = _promise(value, of_call=not done)
         numbers.append(promised.number)
         return promised
 
@@ -104,12 +108,12 @@ def _holds_futures(args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None)
     )
 
 
-def _promise(fut: Any) -> Promised:
+def _promise(fut: Any, of_call: bool) -> Promised:
     lent = _runtime.part(Lent)
     number = next(lent.numbers)
     with lent.lock:
         lent.futures[number] = fut
-    tag = _torch.tag_of(fut)  # the Reply or Sent of the one call behind it, if any
+    tag = _torch.tag_of(fut) if of_call else None  # the Reply or Sent of its one call
     key = getattr(tag, "key", 0)
     worker = getattr(tag, "worker", None) if key else None
     return Promised(worker, key, _torch.own_name(), number)
@@ -122,11 +126,24 @@ def release_after(fut: Future[Any], numbers: tuple[int, ...]) -> None:
 
 
 def release(numbers: tuple[int, ...]) -> None:
-    """Let go of the Futures lent as `numbers` now."""
+    """Let go of the Futures lent as `numbers` now; a callee still waiting for one of them
+    is answered that it was given up (its call was cancelled or timed out)."""
     lent = _runtime.part(Lent)
+    waiting: list[Settle] = []
     with lent.lock:
         for number in numbers:
             lent.futures.pop(number, None)
+            waiting += lent.asked.pop(number, ())
+    for answer in waiting:  # answered once: by the Future, or by its release
+        answer.resolve((hold(_given_up()),))
+
+
+def _given_up() -> ObjectLostError:
+    return ObjectLostError(
+        f"a Future passed as an argument by {_torch.own_name()!r} is no longer kept there "
+        f"(the call it was passed to has already replied, or was cancelled or timed out)",
+        _torch.own_name(),
+    )
 
 
 # ---- the callee's side ----------------------------------------------------------------
@@ -141,8 +158,8 @@ def take(promised: Promised) -> Future[Any]:
         return out
 
     def given(done: Future[Any]) -> None:
-        ok, answer = _torch.outcome(done)
-        if ok and answer[0]:
+        answer = outcome(done)
+        if type(answer) is tuple and answer[0]:
             out.set_result(answer[1])
         else:  # no such call runs there now, or it cannot be reached: ask the caller
             _ask_lender(promised, out)
@@ -153,8 +170,11 @@ def take(promised: Promised) -> Future[Any]:
 
 def _ask_lender(promised: Promised, out: Future[Any]) -> None:
     def answered(done: Future[Any]) -> None:
-        ok, answer = _torch.outcome(done)
-        out.set_result(answer[0] if ok else hold(_lost(promised, answer)))
+        answer = outcome(done)
+        if type(answer) is tuple:
+            out.set_result(answer[0])
+        else:
+            out.set_result(hold(_lost(promised, answer.error)))
 
     _ask(promised.lender, lent_value, promised.number, answered)
 
@@ -186,32 +206,53 @@ def lent_value(number: int) -> Future[tuple[Any]]:
     """On the caller: (the outcome of the Future it lent as `number`,): a Failure if it
     failed, or if the call it was passed to has already replied."""
     lent = _runtime.part(Lent)
+    answer = Settle()
     with lent.lock:
         fut = lent.futures.get(number)
+        if fut is not None:
+            lent.asked.setdefault(number, []).append(answer)
     if fut is None:
-        gone = ObjectLostError(
-            f"a Future passed as an argument by {_torch.own_name()!r} is no longer kept there "
-            f"(the call it was passed to has already replied or was given up)",
-            _torch.own_name(),
-        )
-        return completed((hold(gone),))
-    out: Future[tuple[Any]] = new_future()
-    _torch.add_callback(fut, lambda done: out.set_result((outcome(done),)))
-    return out
+        return completed((hold(_given_up()),))
+
+    def settle(done: Future[Any]) -> None:
+        with lent.lock:
+            asked = lent.asked.get(number, [])
+            if answer in asked:
+                asked.remove(answer)
+                if not asked:
+                    lent.asked.pop(number, None)
+        answer.resolve((outcome(done),))
+
+    _torch.add_callback(fut, settle)
+    return answer.future
 
 
-def outcome(done: Future[Any]) -> Any:
+def outcome(done: Any) -> Any:
     """A done Future's value, or its failure as a Failure (sent in a tuple, a Failure is
-    not raised by the read of the reply that carries it)."""
-    ok, value = _torch.outcome(done)
+    not raised by the read of the reply that carries it). Any Future: a read that raises
+    what torch would not (a CancelledError, a user's exception) is a failure too."""
+    try:
+        ok, value = _torch.outcome(done)
+    except Exception as exc:
+        return hold(exc)
     return value if ok or isinstance(value, Failure) else hold(value)
 
 
-def _lost(promised: Promised, cause: BaseException) -> ObjectLostError:
-    error = ObjectLostError(
-        f"the value of a Future passed as an argument could not be read from "
-        f"{promised.lender!r}, the worker that passed it: {type(cause).__name__}: {cause}",
-        promised.lender,
-    )
+def _lost(promised: Promised, cause: BaseException) -> Exception:
+    said = str(cause).splitlines()[0] if str(cause) else ""
+    error: Exception
+    if "pickle" in str(cause).lower():
+        error = SerializationError(
+            f"the value of a Future passed as an argument could not be sent from "
+            f"{promised.lender!r}, the worker that passed it: {type(cause).__name__}: {said}; "
+            f"have the Future hold tensors, numbers, strings and containers of them, or "
+            f"objects of module-level classes"
+        )
+    else:
+        error = ObjectLostError(
+            f"the value of a Future passed as an argument could not be read from "
+            f"{promised.lender!r}, the worker that passed it: {type(cause).__name__}: {said}",
+            promised.lender,
+        )
     error.__cause__ = cause
     return error

@@ -41,7 +41,15 @@ from ._futures import completed, new_future
 from ._objects import has_refs, resolving
 from ._promised import release, release_after
 
-__all__ = ("DEFAULT_WINDOW", "Producers", "Stream", "check_window", "open_producers", "stream")
+__all__ = (
+    "DEFAULT_WINDOW",
+    "Producers",
+    "Stream",
+    "check_window",
+    "open_producers",
+    "resolving_first",
+    "stream",
+)
 
 T = TypeVar("T")
 DEFAULT_WINDOW = 32
@@ -411,11 +419,12 @@ def _pull(key: int, opener: tuple[Any, ...] | None, n: int) -> Future[Any]:
 _torch.mark_async(_pull, _pull)
 
 
-def _resolving_first(
+def resolving_first(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """A generator over ObjectRef arguments: it reads their values first, where it runs
-    (its own thread, or the event loop for an async generator), then yields func's items."""
+    """A generator over ObjectRef arguments (and Futures passed on): it reads their values
+    first, where it runs (its own thread, or the event loop for an async generator), then
+    yields func's items."""
     if inspect.isasyncgenfunction(func):
 
         async def pumped() -> AsyncIterator[Any]:
@@ -438,7 +447,7 @@ def _open(
     """Start the generator of a stream; `label` names it as the caller wrote it."""
     try:
         gen = (
-            _resolving_first(func, args, kwargs)
+            resolving_first(func, args, kwargs)
             if has_refs(args, kwargs)
             else func(*args, **kwargs)
         )

@@ -5,7 +5,8 @@
 worker0 drives. worker2 puts a value and is killed (SIGKILL); its
 replacement joins under the same name. The ref then raises ObjectLostError
 naming worker2, on `get`, as an argument of a call to another worker, and passed inside a
-list (refused as it is sent), although worker1 had read it before;
+list (refused as it is sent), although worker1 had read it before; worker1's
+`get` of the ref it kept raises too;
 a value put on the replacement reads as usual. Prints one line per check.
 """
 
@@ -39,6 +40,18 @@ def read_inside(refs: list[asyncrpc.ObjectRef[torch.Tensor]]) -> str:
         return f"lost {exc.name}"
 
 
+KEPT: list[asyncrpc.ObjectRef[torch.Tensor]] = []  # on worker1: a ref it read, and keeps
+
+
+def keep_read(refs: list[asyncrpc.ObjectRef[torch.Tensor]]) -> float:
+    KEPT.append(refs[0])
+    return float(asyncrpc.get(refs[0]).sum())
+
+
+def read_kept() -> str:
+    return read_inside(KEPT)
+
+
 def lost_as(read: Any) -> str:
     try:
         read()
@@ -58,6 +71,7 @@ def main(ctx: asyncrpc.Context) -> None:
     check(
         "read on worker1", asyncrpc.rpc_sync("worker1", read_inside, args=([ref],)) == "value 4.0"
     )
+    check("read and kept on worker1", asyncrpc.rpc_sync("worker1", keep_read, args=([ref],)) == 4)
     os.kill(asyncrpc.rpc_sync("worker2", os.getpid), signal.SIGKILL)
     check("healed", HEALED.wait(60))
     got = lost_as(lambda: asyncrpc.get(ref, timeout=30))
@@ -66,6 +80,8 @@ def main(ctx: asyncrpc.Context) -> None:
     check("as an argument: lost, named", got.startswith("lost worker2"), got)
     got = lost_as(lambda: asyncrpc.rpc_sync("worker1", read_inside, args=([ref],)))
     check("passed inside a list: lost, named", got.startswith("lost worker2"), got)
+    got = asyncrpc.rpc_sync("worker1", read_kept)
+    check("a value read before: lost, named", got == "lost worker2", got)
     fresh = asyncrpc.rpc_sync("worker2", asyncrpc.put, args=(torch.ones(2),))
     check("a put on the replacement", asyncrpc.rpc_sync("worker1", total, args=(fresh,)) == 2.0)
 
