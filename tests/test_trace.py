@@ -146,7 +146,7 @@ def test_a_fetch_of_an_object_shows_on_the_worker_that_fetched_it(
         assert asyncrpc.rpc_sync("worker2", summed_first, args=([ref],)) == 1000.0
     events = load(tmp_path / "fetch.json")
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    fetches = [e for e in events if e["name"].startswith("asyncrpc.fetch")]
+    fetches = [e for e in events if e["name"].startswith("fetch ObjectRef")]
     assert fetches and {names[e["pid"]] for e in fetches} == {"worker2"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e["name"] == "thread_name"}  # fmt: skip

@@ -190,7 +190,7 @@ class Fetched:
 
 def _read(ref: ObjectRef[Any], fut: Future[Any]) -> None:
     try:  # named in a trace (asyncrpc.trace records every thread with torch's profiler)
-        with torch.profiler.record_function(f"asyncrpc.fetch {ref._key[0]}:{ref._key[1]}"):
+        with torch.profiler.record_function(f"fetch ObjectRef {ref._key[0]}:{ref._key[1]}"):
             value = _read_shared(ref)
             if value is _NOT_SHARED:
                 value = ref._rref.to_here()

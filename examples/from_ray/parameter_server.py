@@ -2,14 +2,11 @@
 
 A `ParameterServer` object holds a small ConvNet and an SGD optimizer;
 `DataWorker` objects each compute the gradient of one batch at the weights
-they are given. Every iteration the driver asks each worker for a gradient
-at the current weights and passes the gradients' Futures straight to
-`apply_gradients`, which sums them, steps once and returns the new weights;
-every 10 iterations the driver evaluates them. The classes are Ray's without
-`@ray.remote`, and the loop is Ray's with `call_async` for `.remote`: a
-Future passed as an argument arrives as its value, sent by the worker that
-computed it, not through the driver, as an ObjectRef does in Ray. Same
-seeds, model and data as Ray's: it prints the same numbers.
+they are given. Every iteration the driver passes the gradients' Futures
+straight to `apply_gradients`, which sums them, steps once and returns the
+new weights; every 10 iterations the driver evaluates them. Ray's classes
+and loop, `call_async` for `.remote`: a Future passed arrives as its value,
+sent by the worker that computed it. Same seeds: the same numbers as Ray's.
 
     python examples/from_ray/parameter_server.py
 """
