@@ -47,7 +47,9 @@ def spawn(to: _calls.Target | None, cls: Callable[..., Any], /, *args: Any, **kw
     calls running, then not the caller, then lowest rank; `h.owner` says
     which. `cls` is a class or any factory (a function, `functools.partial`);
     an `nn.Module` gives a `RemoteModule`. Every argument goes to `cls`: set
-    call options on the handle, `spawn(...).options(timeout=5)`.
+    call options on the handle, `spawn(...).options(timeout=5)`. A Future
+    among them is waited for here, and its value sent; an ObjectRef arrives
+    as a ref.
 
     Example::
 
@@ -57,6 +59,7 @@ def spawn(to: _calls.Target | None, cls: Callable[..., Any], /, *args: Any, **kw
     """
     placed = place(to)
     _calls.check("spawn", placed, cls, None, None, None)
+    args, kwargs = _waited(args), dict(zip(kwargs, _waited(tuple(kwargs.values())), strict=True))
     sent = sendable_class(cls)
     rref = _calls.send_remote(_calls.check("spawn", placed, construct, (sent, args, kwargs),
                                            None, None, cls))  # fmt: skip
@@ -101,3 +104,10 @@ def call_all(
                 f"{type(h).__name__} {h!r:.60}"
             )
     return gather([h.call_async(method, *args, **kwargs) for h in items])
+
+
+def _waited(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`values` with each Future replaced by its value (a constructor runs once, here)."""
+    if not any(isinstance(v, _torch.FutureType) for v in values):
+        return values
+    return tuple(v.wait() if isinstance(v, _torch.FutureType) else v for v in values)

@@ -249,6 +249,15 @@ def test_a_future_that_fails_after_it_was_passed_fails_the_call(world: asyncrpc.
     assert x.cancel()
     with pytest.raises(asyncrpc.CancelledError):
         y.wait()
+    # A sync function runs on after a cancel; the call that took its Future fails now.
+    x = asyncrpc.rpc_async("worker1", slow_add, args=(1.0, 1.0, 10.0))
+    y = asyncrpc.rpc_async("worker2", add, args=(x, 1.0), timeout=20)
+    time.sleep(0.3)  # the ask has reached worker1
+    assert x.cancel()
+    cancelled = time.monotonic()
+    with pytest.raises(asyncrpc.CancelledError, match="the call that took its Future"):
+        y.wait()
+    assert time.monotonic() - cancelled < 5
     mine: torch.futures.Future[float] = torch.futures.Future()
     z = asyncrpc.rpc_async("worker2", add, args=(mine, 1.0), timeout=20)
     mine.set_exception(ValueError("no value after all"))
@@ -294,3 +303,21 @@ def test_a_handle_stream_takes_futures_and_refs_as_values(world: asyncrpc.Contex
         1.0,
         2.0,
     ]
+
+
+def test_spawn_waits_for_a_future_among_its_arguments(world: asyncrpc.Context) -> None:
+    start = asyncrpc.rpc_async("worker1", slow_add, args=(torch.ones(3), 1.0))
+    adder = asyncrpc.spawn("worker2", Adder)
+    assert torch.equal(adder.call("add", start), torch.full((3,), 2.0))
+    scaled = asyncrpc.spawn(
+        "worker2", Scaled, start, by=asyncrpc.rpc_async("worker1", abs, args=(-3,))
+    )
+    assert torch.equal(scaled.call("value"), torch.full((3,), 6.0))
+
+
+class Scaled:
+    def __init__(self, x: torch.Tensor, by: int) -> None:
+        self.x = x * by
+
+    def value(self) -> torch.Tensor:
+        return self.x

@@ -35,6 +35,8 @@ from typing import Any, NamedTuple
 from torch.futures import Future
 
 from . import _runtime, _torch
+from ._errors import CancelledError
+from ._failures import hold
 from ._futures import new_future
 
 __all__ = (
@@ -291,8 +293,22 @@ def deliver(key: int) -> None:
             return
         state.cancelled = True
         on_cancel = state.on_cancel
+        takers, state.takers = state.takers, None
+    if takers:  # its reply will be a CancelledError, whenever it ends: they have it now
+        _cancelled_for(takers)
     if on_cancel is not None:
         on_cancel()
+
+
+def _cancelled_for(takers: list[Future[Any]]) -> None:
+    me = _torch.own_name()
+    error = CancelledError(
+        f"the call whose result was passed on was cancelled on worker {me!r} before it "
+        f"ended, so the call that took its Future does not run",
+        me,
+    )
+    for fut in takers:
+        fut.set_result(hold(error))
 
 
 def _bury(tombstones: collections.OrderedDict[int, float], key: int) -> None:
