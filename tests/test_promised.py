@@ -124,10 +124,18 @@ def test_a_pending_future_arrives_as_its_value_on_every_verb(world: asyncrpc.Con
     assert lent_and_taking() == (0, 0)  # nothing kept per call, here or there
 
 
+def slow_started(x: torch.Tensor, y: float, seconds: float) -> torch.Tensor:
+    RAN.append("slow_started")
+    return slow_add(x, y, seconds)
+
+
 def test_the_value_goes_from_the_worker_that_made_it(world: asyncrpc.Context) -> None:
     # The caller's own Future times out; the call goes on on worker1, and worker2 gets
     # its value from there: it never went through the caller.
-    x = asyncrpc.rpc_async("worker1", slow_add, args=(torch.ones(2), 1.0, 1.0), timeout=0.3)
+    asyncrpc.rpc_sync("worker1", forget)
+    x = asyncrpc.rpc_async("worker1", slow_started, args=(torch.ones(2), 1.0, 6.0), timeout=3)
+    # Passed once it runs there (an ask that came first would go to the caller).
+    assert until(lambda: "slow_started" in asyncrpc.rpc_sync("worker1", ran), 10)
     y = asyncrpc.rpc_async("worker2", total, args=(x,))
     with pytest.raises(asyncrpc.CallTimeoutError):
         x.wait()
@@ -252,7 +260,7 @@ def test_a_future_that_fails_after_it_was_passed_fails_the_call(world: asyncrpc.
     # A sync function runs on after a cancel; the call that took its Future fails now.
     x = asyncrpc.rpc_async("worker1", slow_add, args=(1.0, 1.0, 10.0))
     y = asyncrpc.rpc_async("worker2", add, args=(x, 1.0), timeout=20)
-    time.sleep(0.3)  # the ask has reached worker1
+    time.sleep(0.3)  # the ask reached worker1 by now, or comes after the cancel: the same
     assert x.cancel()
     cancelled = time.monotonic()
     with pytest.raises(asyncrpc.CancelledError, match="the call that took its Future"):

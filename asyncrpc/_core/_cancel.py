@@ -254,14 +254,18 @@ def taker(key: int) -> Future[Any] | None:
     straight to the callee using it (`_promised`).
     """
     calls = _runtime.part(Calls)
+    fut: Future[Any] = new_future()
     with calls.lock:
         state = calls.running.get(key)
         if state is None:
             return None
-        fut: Future[Any] = new_future()
-        if state.takers is None:
-            state.takers = []
-        state.takers.append(fut)
+        cancelled = state.cancelled
+        if not cancelled:
+            if state.takers is None:
+                state.takers = []
+            state.takers.append(fut)
+    if cancelled:  # its reply will be a CancelledError, whenever it ends
+        _cancelled_for([fut])
     return fut
 
 
