@@ -3,7 +3,7 @@
     peers.png   benchmarks/peers.py --json peers.json: asyncrpc vs raw torch
                 RPC vs Ray for every row (calls, start-up, what torch cannot do),
                 each bar the way's cost relative to asyncrpc's, on a log scale
-    scale.png   benchmarks/scale.py --json scale.json: start-up time and the
+    scale.png   benchmarks/scale.py --json scale.json: start-up time, end time and the
                 world's memory (PSS; scale.py prints RSS too) against the
                 world's size, one line per system
     vmap.png    benchmarks/stacked_mlp.py --json stacked_mlp.json: the vmap
@@ -153,7 +153,7 @@ def _peer_panel(ax: Axes, name: str, rows: list[Row], low: float) -> None:
 
 
 def scale_chart(data: dict[str, Any], path: Path) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(17, 5))
     for system in data["systems"]:
         found = data["results"].get(system, {})
         sizes = sorted(int(n) for n in found)
@@ -162,15 +162,20 @@ def scale_chart(data: dict[str, Any], path: Path) -> None:
         at = [found[str(n)] for n in sizes]
         style = {"color": COLORS[system], "marker": "o", "label": NAMES[system]}
         left.plot(sizes, [f["startup_s"] for f in at], **style)
-        right.plot(sizes, [f["pss_mib"] / 1024 for f in at], **style)
         _label_last(left, sizes[-1], at[-1]["startup_s"], f"{at[-1]['startup_s']:.1f} s")
+        if all("end_s" in f for f in at):  # runs before end_s was measured have none
+            middle.plot(sizes, [f["end_s"] for f in at], **style)
+            _label_last(middle, sizes[-1], at[-1]["end_s"], f"{at[-1]['end_s']:.1f} s")
+        right.plot(sizes, [f["pss_mib"] / 1024 for f in at], **style)
         gib = at[-1]["pss_mib"] / 1024
         _label_last(right, sizes[-1], gib, f"{gib:.1f} GiB")
     left.set_title("start-up: from the start call to every worker's answer")
     left.set_ylabel("seconds (median)")
+    middle.set_title("end: from every answer to the world's end")
+    middle.set_ylabel("seconds (median)")
     right.set_title("memory: every process of the world, PSS summed")
     right.set_ylabel("GiB at the first answers (median)")
-    for ax in (left, right):
+    for ax in (left, middle, right):
         ax.set_xscale("log", base=2)
         ax.set_xticks(data["sizes"], [str(n) for n in data["sizes"]])
         ax.set_xlabel("world size (workers; Ray: actors)")

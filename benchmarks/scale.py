@@ -1,7 +1,7 @@
 """How a world's cost grows with its size: start-up time and memory, asyncrpc vs torch vs Ray.
 
-For each world size (2, 4, 8, 16 workers by default) and each system, a
-fresh process (this script again, with --probe) starts one world::
+For each world size (2 to 128 workers by default) and each system, a fresh
+process (this script again, with --probe) starts one world::
 
     asyncrpc  asyncrpc.run(main, N): its default embedded start, a forkserver
               with torch preloaded, N workers forked from it
@@ -16,7 +16,11 @@ and measures, in that world:
     worker having answered one call: worker0 (Ray: the driver) sends every
     worker, itself included, a 64 B tensor at once and waits for all the
     answers; every worker of every system thus holds torch;
-(b) memory, at that moment: every process of the world, read from /proc,
+(b) end: from the moment every worker has answered (and the memory below
+    was read) to the start call's return, every worker gone: main returns
+    on every worker, the world shuts down (asyncrpc.run returns;
+    mp.spawn joins every process; ray.shutdown());
+(c) memory, at the moment every worker has answered: every process of the world, read from /proc,
     the process that started it and all that descend from it (the workers
     and the helpers: asyncrpc's forkserver, multiprocessing's resource
     tracker; Ray's GCS, raylet, agents and worker processes). PSS (each
@@ -29,7 +33,7 @@ Rounds alternate the systems (each round in a new order); figures are
 medians over rounds. A world that fails to start or runs past --timeout is
 reported as not fitting, and that system is not tried at larger sizes.
 
-    python benchmarks/scale.py [--sizes 2 4 8 16] [--rounds 3] [--no-ray] [--json PATH]
+    python benchmarks/scale.py [--sizes 2 4 ... 128] [--rounds 3] [--no-ray] [--json PATH]
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import run_record
 SYSTEMS = ("asyncrpc", "torch", "ray")
 METRICS = {  # key: (row, unit)
     "startup_s": ("start-up to every answer", "s"),
+    "end_s": ("end: every answer to the world's end", "s"),
     "pss_mib": ("memory (PSS, summed)", "MiB"),
     "rss_mib": ("memory (RSS, summed)", "MiB"),
     "processes": ("processes", ""),
@@ -108,10 +113,11 @@ def _rollup(pid: int) -> dict[str, int]:
 
 
 def _stamp_world(root: int) -> None:
-    """Printed once every worker has answered: the time, then the world's memory."""
+    """Printed once every worker has answered: the time, the world's memory, the time again."""
     print(f"FIRST {time.time()}", flush=True)
     pss, rss, count = world_memory(root)
     print(f"MEMORY {pss} {rss} {count}", flush=True)
+    print(f"READ {time.time()}", flush=True)
 
 
 # ---- the three ways to start a world (each run in a fresh process) --------------------
@@ -128,6 +134,7 @@ def _probe_asyncrpc(size: int) -> None:
     root = os.getpid()
     print(f"START {time.time()}", flush=True)
     asyncrpc.run(_asyncrpc_main, size, args=(root,))
+    print(f"END {time.time()}", flush=True)
 
 
 def _torch_worker(rank: int, size: int, port: int, root: int) -> None:
@@ -150,6 +157,7 @@ def _probe_torch(size: int) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_torch_worker, args=(size, port, root), nprocs=size)
+    print(f"END {time.time()}", flush=True)
 
 
 def _probe_ray(size: int) -> None:
@@ -167,6 +175,7 @@ def _probe_ray(size: int) -> None:
     ray.get([a.echo.remote(x) for a in actors])
     _stamp_world(os.getpid())
     ray.shutdown()
+    print(f"END {time.time()}", flush=True)
 
 
 _PROBES = {"asyncrpc": _probe_asyncrpc, "torch": _probe_torch, "ray": _probe_ray}
@@ -191,15 +200,17 @@ def measure_one(system: str, size: int, timeout: float) -> dict[str, float] | st
             pass
         return f"no answer from every worker within {timeout:g} s"
     lines = dict(ln.split(maxsplit=1) for ln in out.splitlines() if ln.startswith(_STAMPS))
-    if proc.returncode != 0 or "MEMORY" not in lines:
+    if proc.returncode != 0 or "END" not in lines:
         last = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         return f"failed (exit status {proc.returncode}): {last[:200]}"
     pss, rss, count = map(float, lines["MEMORY"].split())
     startup = float(lines["FIRST"]) - float(lines["START"])
-    return {"startup_s": startup, "pss_mib": pss, "rss_mib": rss, "processes": count}
+    end = float(lines["END"]) - float(lines["READ"])
+    return {"startup_s": startup, "end_s": end, "pss_mib": pss, "rss_mib": rss,
+            "processes": count}  # fmt: skip
 
 
-_STAMPS = ("START ", "FIRST ", "MEMORY ")
+_STAMPS = ("START ", "FIRST ", "MEMORY ", "READ ", "END ")
 
 
 def _kill_tree(root: int) -> None:
@@ -300,7 +311,7 @@ def _cell(
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 96, 128])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-ray", action="store_true", help="leave Ray out")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per world, at most")

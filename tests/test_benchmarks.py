@@ -85,6 +85,7 @@ CASES = {
         [
             "start-up to every answer, 2 workers",
             "start-up to every answer, 3 workers",
+            "end: every answer to the world's end, 3 workers",
             "memory (PSS, summed), 2 workers",
             "memory (PSS, summed), 3 workers",
             "memory (RSS, summed), 3 workers",
@@ -159,6 +160,7 @@ JSON_FIGURES = {
     ],
     "scale": [
         ("results", "asyncrpc", "2", "startup_s"),
+        ("results", "torch", "2", "end_s"),
         ("results", "torch", "3", "pss_mib"),
         ("results", "torch", "3", "rss_mib"),
         ("results", "asyncrpc", "3", "processes"),

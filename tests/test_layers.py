@@ -110,6 +110,7 @@ INSIDE: dict[str, list[str]] = {
         "_modules",
         "_launcher",
         "_agent",
+        "_static",
         "_listener",
         "_patches",
         "_notes",
@@ -124,6 +125,7 @@ INSIDE: dict[str, list[str]] = {
     "_trace": ["_timeline", "_render", "_trace"],
     "_launch": [
         "_parent",
+        "_forking",
         "_signals",
         "_warm",
         "_quiet",

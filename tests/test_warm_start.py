@@ -78,3 +78,36 @@ def test_start_method_is_checked() -> None:
     expected = "start_method must be 'forkserver' or 'spawn', got 'fork'"
     with pytest.raises(ValueError, match=expected):
         asyncrpc.run(print, world_size=1, start_method="fork")
+
+
+HERE = re.compile(
+    r"(?P<world>\w+) worker\d parent=(?P<parent>\d+) kind=(?P<kind>\w+) mark=(?P<mark>\w+) "
+    r"frozen=(?P<frozen>\w+) threads=(?P<threads>\d+)"
+)
+WARM = re.compile(r"(?P<world>\w+) warm=(?P<warm>\d+) alive=(?P<alive>\w+) caller=(?P<caller>\d+)")
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_a_caller_without_threads_is_the_warm_interpreter_itself() -> None:
+    """No torch op before `run`: the workers fork from a fork of the caller, one per
+    world, gone once `run` returns; each still imports the script (the caller's
+    guard does not run there). After a parallel op in the caller (OpenMP's pool
+    started), a fork of it would hang at its first parallel op: that world forks
+    from multiprocessing's forkserver. Every worker's heap was frozen at its fork,
+    and runs parallel ops."""
+    done = run_program("python", str(ROOT / "tests" / "programs" / "warm_here.py"), timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [m.groupdict() for m in map(HERE.match, done.stdout.splitlines()) if m]
+    warm = {m["world"]: m.groupdict() for m in map(WARM.match, done.stdout.splitlines()) if m}
+    assert len(rows) == 6 and len(warm) == 3, done.stdout
+    assert all(r["frozen"] == "True" and r["threads"] == "2" for r in rows), rows
+    assert {r["mark"] for r in rows} == {"unset"}, rows
+    for world in ("first", "second", "third"):
+        found = [r for r in rows if r["world"] == world]
+        assert {r["parent"] for r in found} == {warm[world]["warm"]}, (world, rows)
+        assert warm[world]["warm"] != warm[world]["caller"]
+        kind = "forkserver" if world == "third" else "copy"
+        assert {r["kind"] for r in found} == {kind}, (world, rows)
+    assert warm["first"]["warm"] != warm["second"]["warm"]  # one fork per world
+    assert warm["first"]["alive"] == warm["second"]["alive"] == "False", warm

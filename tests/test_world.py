@@ -176,6 +176,14 @@ class _HeldStore(dist.Store):
     def check(self, keys: list[str]) -> bool:
         return self.inner.check(keys)  # type: ignore[no-any-return]
 
+    def append(self, key: str, value: str) -> None:
+        self.inner.append(key, value)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.reading.set()
+        self.gate.wait(30)
+        return self.inner.multi_get(keys)  # type: ignore[no-any-return]
+
 
 @pytest.mark.parametrize(
     ("host_size", "own_size", "error"),

@@ -1,20 +1,24 @@
 """Cancelling calls: the caller's request, the callee's record of the calls it runs.
 
-A cancel must reach a callee whose RPC threads may all be busy (the call to
-stop may itself wait in torch's queue behind them), so it does not travel as
-an RPC: it goes through the store the world was formed with, and a watcher
-thread on each worker, blocked on that store, takes it at once::
+A cancel travels as a message on the RPC itself, to a function that only
+marks the call (`deliver`): a free RPC thread of the callee takes it
+within a round trip. A callee whose RPC threads are all busy (the call to
+stop may itself wait in torch's queue behind them) does not take it at
+once, so a cancel not taken within `_BY_RPC_S` also goes through the
+store the world was formed with, where a watcher thread on each worker,
+blocked on that store, takes it::
 
-    caller                        world's store                      callee
+    caller                                                             callee
     fut.cancel()
-      add  cancel/{callee}/n   ──> n
-      set  cancel/{callee}/{n} ──> "{key}"  ── wakes ──> watcher: deliver(key)
-                                                           running?   mark it cancelled; an
-                                                                      async def gets CancelledError
-                                                                      at its await and cancels
-                                                                      what it awaits (the next hop)
+      RPC  deliver(key)  ────────────────────────────> an RPC thread: deliver(key)
+      not taken within 2 ms (every RPC thread busy)?       running?   mark it cancelled; an
+      add  cancel/{callee}/n   ──> store                              async def gets CancelledError
+      set  cancel/{callee}/{n} ──> "{key}" ── wakes ──> watcher:      at its await and cancels
+                                                        deliver(key)  what it awaits (the next hop)
                                                            not yet?   a tombstone: it never starts
     <──────────── the call's reply: CancelledError ──────────── (its own Future fails) ──
+
+A cancel that arrives twice (both ways) stops the call once.
 
 Every call asyncrpc sends carries a key, ``caller rank << 40 | number``. A
 sync function cannot be stopped from outside: it can poll `cancelled()`;
@@ -70,6 +74,7 @@ TOMBSTONE_S = 120.0  # how long a cancel waits for a call that has not started y
 TOMBSTONES_MAX = 65_536  # the most kept at once: the oldest go first
 ENDED_KEPT = 4_096  # calls that ended lately: a cancel racing their reply finds them
 _JOIN_S = 3.0  # how long a stopping watcher may take
+_BY_RPC_S = 0.002  # how long a cancel's RPC may wait for a free thread before the store carries it
 _GUARD_POLL_S = 0.2  # how often the exit guard looks whether the main thread has ended
 KEY_BITS = 40  # a call's key: caller rank << KEY_BITS | number
 _STOP = "stop"
@@ -116,7 +121,9 @@ def cancel(fut: Any) -> bool:
 
 
 def request(sent: Sent) -> bool:
-    """Ask `sent.callee` to stop the call `sent.key`; False when the store cannot be reached."""
+    """Ask `sent.callee` to stop the call `sent.key`; False when it cannot be reached."""
+    if _by_rpc(sent):
+        return True
     store = _runtime.part(Calls).watcher.store
     if store is None:
         return False
@@ -125,6 +132,18 @@ def request(sent: Sent) -> bool:
     except Exception:  # the world is going away: nothing is left to stop
         return False
     return True
+
+
+def _by_rpc(sent: Sent) -> bool:
+    """Send the cancel as an RPC; True once an RPC thread of the callee has taken it."""
+    taken = threading.Event()
+    try:
+        info = _torch.current_agent().get_worker_info(sent.callee)
+        fut = _torch.send_python(info, deliver, (sent.key,), {}, _torch.UNSET_TIMEOUT, False)
+    except Exception:  # gone from the group, or the agent stopped: the store may still carry it
+        return False
+    _torch.add_callback(fut, lambda _: taken.set())
+    return taken.wait(_BY_RPC_S) and _torch.outcome(fut)[0]
 
 
 def send_request(store: Any, rank: int, text: str) -> None:
@@ -202,6 +221,7 @@ def begin(key: int, call: tuple[Any, ...] = ()) -> Running | None:
     calls = _runtime.part(Calls)
     with calls.lock:
         if calls.tombstones and calls.tombstones.pop(key, None) is not None:
+            _note_ended(calls, key)  # a second copy of its cancel finds it ended
             return None
         calls.running[key] = state
     return state
@@ -236,10 +256,15 @@ def end(state: Running, settled: bool = False) -> None:
         state.call, state.coro = (), None
         if calls.running.pop(state.key, None) is None:
             return  # ended twice (a reply path and a cancel): counted once
-        if len(calls.ended) == ENDED_KEPT:
-            calls.ended_keys.discard(calls.ended[0])
-        calls.ended.append(state.key)
-        calls.ended_keys.add(state.key)
+        _note_ended(calls, state.key)
+
+
+def _note_ended(calls: Calls, key: int) -> None:
+    """Keep `key` among the calls that ended lately (under `calls.lock`)."""
+    if len(calls.ended) == ENDED_KEPT:
+        calls.ended_keys.discard(calls.ended[0])
+    calls.ended.append(key)
+    calls.ended_keys.add(key)
 
 
 def _nothing() -> None:
@@ -294,6 +319,8 @@ def deliver(key: int) -> None:
         if state is None:
             if key not in calls.ended_keys:
                 _bury(calls.tombstones, key)
+            return
+        if state.cancelled:  # it came both ways (`request`), or was cancelled here
             return
         state.cancelled = True
         on_cancel = state.on_cancel
@@ -402,6 +429,7 @@ class _Watcher:
         self.thread: threading.Thread | None = None
         self.guard: threading.Thread | None = None
         self.done = threading.Event()  # ends the guard
+        self.connected = threading.Event()  # the watcher has its own connection (`_watch`)
         self.rank = -1
         self.store: Any = None  # the side channel: requests go there, a stop wakes it
         self.address: str | None = None  # where the store listens, if it is a TCPStore
@@ -441,12 +469,11 @@ def watch(
         try:
             root = _torch.root_store(_torch.agent_store())
             store = _torch.PrefixStore(prefix, root)
-            listening = store.clone()  # type: ignore[attr-defined]  # its own: it blocks in wait()
             rank = int(_torch.current_agent().get_worker_info().id)
         except Exception:  # an agent without a store: cancels cannot reach this worker
             return
         thread = threading.Thread(
-            target=_watch, args=(watcher, listening, rank), name="asyncrpc-cancels", daemon=True
+            target=_watch, args=(watcher, root, prefix, rank), name="asyncrpc-cancels", daemon=True
         )
         # A thread still inside torch's store when the interpreter finalizes aborts the
         # process, so the watcher must stop first, also when the program never calls
@@ -457,6 +484,7 @@ def watch(
         guard = threading.Thread(
             target=_guard, args=(calls, done, agent_gone), name="asyncrpc-exit-guard", daemon=False
         )
+        watcher.connected.clear()
         watcher.thread, watcher.rank, watcher.store = thread, rank, store
         watcher.guard, watcher.done = guard, done
         watcher.address, watcher.prefix = _torch.store_address(root), prefix
@@ -515,10 +543,21 @@ def _stop(calls: Calls) -> None:
         send_request(store, rank, _STOP)
     except Exception:
         pass  # the store is gone: the watcher's wait fails at once, and it ends
-    thread.join(_JOIN_S)
+    if watcher.connected.is_set():
+        thread.join(_JOIN_S)
+    # Else it still waits for its connection (a dropped name lookup: 5-10 s): it
+    # reads the stop once connected, or finds the store gone, and ends then.
 
 
-def _watch(watcher: _Watcher, store: Any, rank: int) -> None:
+def _watch(watcher: _Watcher, root: Any, prefix: str, rank: int) -> None:
+    # Its own connection, for it blocks in wait(); made here, not in the start: each
+    # connection is a name lookup in c10d, and a resolver that drops a burst of them
+    # (every worker of a large world at once) stalls this thread 5 s, not the start.
+    try:
+        store = _torch.PrefixStore(prefix, root.clone())
+    except Exception:  # the store went away with the world
+        return
+    watcher.connected.set()
     forever = datetime.timedelta(days=365)
     for number in itertools.count(1):
         key = f"queue/{rank}/{number}"

@@ -6,13 +6,16 @@ instead of a hang::
 
     worker r                       store (hosted by rank 0, the driver or torchrun)
       |--- add claim/r ------------->|   a rank taken twice   -> RendezvousError
-      |--- set world/r, name/r ----->|
-      |<-- wait world/0..N-1 --------|   a missing peer       -> StoreTimeoutError
+      |--- set name/r, append ------>|
+      |    claims "r:N "             |
+      |<-- get claims (on a join) ---|   a missing peer       -> StoreTimeoutError
       |    compare (also while       |   other world size     -> WorldSizeMismatchError
       |    waiting)                  |   a name seen twice    -> DuplicateNameError
+      |<-- multi_get name/0..N-1 ----|
       |--- add decided ------------->|   this worker holds its verdict
-      `--> rpc.init_rpc(init_method="asyncrpc-store://") reuses the same store
-           (the scheme is registered with torch while a world runs: _torch.install)
+      `--> torch's agent starts on the same store: a static group's by
+           `_torch.start_static`, a dynamic group's by rpc.init_rpc(init_method=
+           "asyncrpc-store://") (the scheme is registered while a world runs: _torch.install)
 
 A worker that hosts the store (rank 0 of `init`) and refuses the world stays
 until every worker that joined has counted itself decided: leaving at once
@@ -144,25 +147,33 @@ def _meet(space: Store, rank: int, world_size: int, name: str, timeout: float) -
             f"(0..{world_size - 1})"
         )
     space.set(f"name/{rank}", name)
-    space.set(f"world/{rank}", str(world_size))
+    # Every claim in one value too: a waiting worker reads who came, and the size each
+    # expects, in one round trip (a key per rank took N per look: seconds at 128).
+    space.append("claims", f"{rank}:{world_size} ")  # type: ignore[attr-defined]
     space.add("joined", 1)
     # Rank 0's size first: a worker that expects more peers than exist would
     # otherwise wait for them until the timeout.
     _wait_for_peers(space, rank, [0], world_size, timeout)
     _wait_for_peers(space, rank, range(world_size), world_size, timeout)
-    _check_sizes(space, rank, range(world_size), world_size)
-    names = tuple(space.get(f"name/{r}").decode() for r in range(world_size))
+    keys = [f"name/{r}" for r in range(world_size)]
+    names = tuple(b.decode() for b in space.multi_get(keys))
     _check_unique(names)
     return names
 
 
-def _check_sizes(space: Store, rank: int, ranks: Iterable[int], world_size: int) -> None:
-    sizes = {r: int(space.get(f"world/{r}")) for r in ranks}
+def _claims(space: Store) -> dict[int, int]:
+    """The size each rank that came expects, by rank."""
+    pairs = (claim.split(":") for claim in space.get("claims").decode().split())
+    return {int(r): int(size) for r, size in pairs}
+
+
+def _check_sizes(rank: int, sizes: dict[int, int], world_size: int) -> None:
     if any(size != world_size for size in sizes.values()):
         raise WorldSizeMismatchError(
             f"workers disagree on the world size: this one (rank {rank}) has "
-            f"world_size={world_size}, but rank(s) report {sizes}; start every worker "
-            f"with the same world_size (or the same WORLD_SIZE / --nproc-per-node)"
+            f"world_size={world_size}, but rank(s) report {dict(sorted(sizes.items()))}; "
+            f"start every worker with the same world_size (or the same WORLD_SIZE / "
+            f"--nproc-per-node)"
         )
 
 
@@ -176,10 +187,11 @@ def _wait_for_peers(
         joined = _joined(space, rank)
         if joined != joined_seen[0]:  # someone came: look who, and what size it expects
             joined_seen[0] = joined
-            present = {r for r in waiting if space.check([f"world/{r}"])}
+            claims = _claims(space)
+            present = {r: size for r, size in claims.items() if r in waiting}
             # Compared while waiting: a peer that expects fewer workers may be the
             # last one that ever comes, and its size names the mistake.
-            _check_sizes(space, rank, present, world_size)
+            _check_sizes(rank, present, world_size)
             waiting.difference_update(present)
         return not waiting
 
@@ -234,12 +246,7 @@ def _linger(space: Store, world_size: int) -> None:
 
 def _expected(space: Store, world_size: int, joined: int) -> int:
     """The largest world size that any worker that joined expects."""
-    largest, r, found = world_size, 0, 0
-    while r < largest and found < joined:
-        if space.check([f"world/{r}"]):
-            largest, found = max(largest, int(space.get(f"world/{r}"))), found + 1
-        r += 1
-    return largest
+    return max([world_size, *_claims(space).values()]) if joined else world_size
 
 
 def _check_unique(names: tuple[str, ...]) -> None:

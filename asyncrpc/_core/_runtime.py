@@ -83,11 +83,16 @@ class _Process:
     registration for asyncrpc-dump (`_registry`). `frozen_at_import`: how
     many objects were frozen (`gc.freeze`) when asyncrpc was imported: 0, or
     a few hundred that Python 3.12 freezes as it starts; a world freezes the
-    heap only if no program froze it since (`_world`).
+    heap only if no program froze it since (`_world`). None in a process a
+    warm interpreter forked (`_forking`): it froze them, and no program ran
+    here since (counting them would walk every object: 12 ms). `pool_started`: a
+    fork of this process hangs in torch's parallel ops (it started OpenMP's
+    thread pool), so embedded worlds fork from a forkserver (`_forkserver`).
     """
 
     __slots__ = (
-        "frozen_at_import", "lock", "log_unwaited", "runtime", "shut_down", "warned_unregistered",
+        "frozen_at_import", "lock", "log_unwaited", "pool_started", "runtime", "shut_down",
+        "warned_unregistered",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -96,7 +101,8 @@ class _Process:
         self.shut_down = False
         self.log_unwaited = False
         self.warned_unregistered = False
-        self.frozen_at_import = gc.get_freeze_count()  # a count, read: nothing changes
+        self.pool_started = False
+        self.frozen_at_import: int | None = gc.get_freeze_count()  # read: nothing changes
 
 
 class _Thread(threading.local):

@@ -25,7 +25,6 @@ import gc
 import math
 import os
 import threading
-import warnings
 from collections.abc import Callable, Mapping
 
 import torch.distributed.rpc as rpc
@@ -384,7 +383,8 @@ def _build(world: World, master_addr: str, watch_peers: bool, joining: Joining |
         world.liveness.start()
     # A program's own freeze is kept. Python 3.12 itself starts with a few hundred
     # objects frozen: only a count above the one at `import asyncrpc` is a program's.
-    if settings.freeze_gc and gc.get_freeze_count() <= _runtime.SLOT.frozen_at_import:
+    frozen = _runtime.SLOT.frozen_at_import  # None: a warm interpreter froze it (`_forking`)
+    if settings.freeze_gc and (frozen is None or gc.get_freeze_count() <= frozen):
         world.changes.froze_gc = True  # first: put_back thaws it, also if freeze fails half-way
         gc.freeze()
 
@@ -429,30 +429,28 @@ def _start_agent(world: World, master_addr: str, joining: Joining | None) -> Non
         settings.devices, settings.device_maps, ctx, world.store, world.tag,
         joining is not None, settings.init_timeout,
     )  # fmt: skip
+    rpc_store = PrefixStore(f"asyncrpc/{world.tag}/rpc/", world.store)
+    if joining is None:  # a static group: torch's agent started without its Gloo group
+        options = _torch.backend_options(
+            settings.num_worker_threads, settings.rpc_timeout, "", settings.transports,
+            settings.channels, maps,
+        )  # fmt: skip
+        _torch.start_static(rpc_store, world.torch_name, ctx.rank, ctx.world_size, options)
+        return
     options = _torch.backend_options(
         settings.num_worker_threads,
         settings.rpc_timeout,
         # Keys of its own per attempt: after a restart, torch's agent must not
         # read the addresses the previous attempt's workers left in the store.
-        _rendezvous.hand_off(
-            PrefixStore(f"asyncrpc/{world.tag}/rpc/", world.store),
-            world.key_rank,
-            ctx.world_size,
-        ),
+        _rendezvous.hand_off(rpc_store, world.key_rank, ctx.world_size),
         settings.transports,
         settings.channels,
         maps,
     )
-    joins = _torch.failing_fast() if joining is not None else contextlib.nullcontext()
-    with warnings.catch_warnings(), joins:
-        # torch's agent set-up uses a Gloo backend internally and warns about it.
-        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+    with _torch.failing_fast():
+        # A world that heals is one of torch's dynamic groups: members join and leave.
         rpc.init_rpc(  # type: ignore[no-untyped-call]
-            world.torch_name,
-            rank=world.key_rank,
-            # A world that heals is one of torch's dynamic groups: members join and leave.
-            world_size=None if joining is not None else ctx.world_size,
-            rpc_backend_options=options,
+            world.torch_name, rank=world.key_rank, world_size=None, rpc_backend_options=options
         )
 
 

@@ -5,17 +5,14 @@ run while the worker holds the GIL in a long C call (`sum(range(10**10))`);
 the kernel's parent-death signal needs no GIL. Linux only: elsewhere
 nothing is set and the watching threads alone stop workers::
 
-    supervisor dies ──(PR_SET_PDEATHSIG, set when the forkserver imports this)──> forkserver:
-                        SIGTERM, it dies ──(PR_SET_PDEATHSIG, set in each worker as it is
-                        forked, before it imports the script)──> workers
+    supervisor dies ──(PR_SET_PDEATHSIG, set as the warm interpreter starts)──> warm
+                        interpreter (`_forking`): SIGTERM, it dies ──(PR_SET_PDEATHSIG,
+                        set in each worker as it is forked)──> workers
     asyncrpc-launch dies ──(PR_SET_PDEATHSIG, set when the worker imports this)──> workers
 
-Importing this module does nothing, except in two kinds of process. The
-forkserver an embedded world starts: the supervisor names itself in
-ASYNCRPC_FORKSERVER_PARENT for that start only, and the forkserver imports
-this module with its preloads. A worker a launcher started: the launcher
-(`asyncrpc-launch`, or torchrun's agent with the asyncrpc rendezvous) names
-itself in ASYNCRPC_LAUNCHER_PID, and the worker imports this module with
+Importing this module does nothing, except in a worker a launcher started:
+the launcher (`asyncrpc-launch`, or torchrun's agent with the asyncrpc
+rendezvous) names itself in ASYNCRPC_LAUNCHER_PID, and the worker imports this module with
 `import asyncrpc`, before its script runs anything else of asyncrpc's. A
 worker whose launcher has already ended by then (killed while the worker
 imported torch) ends at once, as it would have with the launcher.
@@ -91,16 +88,6 @@ def _wait_for_end(pid: int) -> None:
         os.close(handle)
 
 
-def _die_with_forkserver() -> None:
-    """In each process the forkserver forks: die with it from the start.
-
-    Before the worker's own code runs, multiprocessing imports the script in
-    it; a script that takes seconds to import would otherwise outlive a
-    supervisor stopped meanwhile (SIGTERM) until its import ended.
-    """
-    die_with_parent(os.getppid())
-
-
 def _launcher_gone() -> bool:
     """A launcher's worker whose launcher ended before it imported asyncrpc (orphaned).
 
@@ -119,11 +106,7 @@ def _launcher_gone() -> bool:
     return False
 
 
-if os.environ.get(PARENT_VARIABLE) == str(os.getppid()):  # this is that forkserver
-    os.environ.pop(PARENT_VARIABLE)
-    die_with_parent(os.getppid())
-    os.register_at_fork(after_in_child=_die_with_forkserver)
-elif launched_by() is not None:  # a launcher's worker (not a process that worker starts)
+if launched_by() is not None:  # a launcher's worker (not a process that worker starts)
     die_with_parent(os.getppid())
 elif _launcher_gone():  # it ended as this worker started (killed, or stopped by a signal)
     print(

@@ -29,7 +29,7 @@ from typing import Any
 
 from .._core import _context, _devices
 from .._core._errors import WorkerFailedError
-from . import _local
+from . import _forkserver, _local
 from ._healing_world import HealingWorld, Unformed
 from ._launched import launched, run_launched
 from ._local import LocalWorld
@@ -116,9 +116,22 @@ def run(
             f"world_size={size} is above max_world_size={max_world_size}; raise "
             f"max_world_size, or start fewer workers"
         )
-    if restart == "worker" or elastic:
-        return _run_healing(main, args, size, roles, settings, max_restarts, max_world_size,
-                            elastic)  # fmt: skip
+    with _forkserver.here(settings.start_method):  # workers fork from this process's copy
+        if restart == "worker" or elastic:
+            return _run_healing(main, args, size, roles, settings, max_restarts,
+                                max_world_size, elastic)  # fmt: skip
+        return _run_restarting(main, args, size, roles, settings, max_restarts)
+
+
+def _run_restarting(
+    main: Callable[..., object],
+    args: tuple[Any, ...],
+    size: int,
+    roles: Mapping[str, int] | None,
+    settings: _context.Settings,
+    max_restarts: int,
+) -> Any:
+    """A world started again as a whole after a failure, up to `max_restarts` times."""
     for attempt in range(max_restarts + 1):
         # Survivors get a grace period to report their own failure, unless the
         # world is about to start again: then they are stopped at once.
@@ -136,6 +149,7 @@ def run(
             file=sys.stderr,
             flush=True,
         )
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _run_healing(

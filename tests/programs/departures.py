@@ -47,7 +47,15 @@ def record(event: Any) -> None:
                    time.monotonic()])  # fmt: skip
 
 
-def heard() -> list[list[Any]]:
+def heard(at_least: int = 0) -> list[list[Any]]:
+    """The events heard here, once there are `at_least` (or 5 s have passed).
+
+    Each member hears a departure through its own side channel: a peer asked
+    right after the caller heard it may still be reading the same news.
+    """
+    deadline = time.monotonic() + 5.0
+    while len(EVENTS) < at_least and time.monotonic() < deadline:
+        time.sleep(0.01)
     return [event[:3] for event in EVENTS]
 
 
@@ -95,7 +103,7 @@ def deaths(ctx: asyncrpc.Context) -> dict[str, Any]:
     added = asyncrpc.add_workers(1)[0]  # worker3
     out = {"added": die_during_a_call(added), "first": die_during_a_call("worker1")}
     out["members"] = list(asyncrpc.members())
-    out["peer_heard"] = asyncrpc.rpc_sync("worker2", heard)
+    out["peer_heard"] = asyncrpc.rpc_sync("worker2", heard, args=(3,))
     out["call_after"] = error_of(lambda: asyncrpc.rpc_sync("worker1", whoami))
     # The world goes on: it grows again, and its members answer.
     grown = asyncrpc.add_workers(1)

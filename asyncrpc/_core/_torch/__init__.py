@@ -30,6 +30,7 @@ Its modules, lowest first (each imports only those before it, `_errors` and
     _modules     nn.Module's and tensors' private tables, hooks and counters (`_fanout`)
     _launcher    torchrun's rendezvous registry, static rendezvous and elastic agent
     _agent       the RPC agent: its workers, store, group members, shutdown steps
+    _static      a static group's agent started without torch's Gloo group (`start_static`)
     _listener    whether this process's TensorPipe listener still accepts (`watch_listener`)
     _patches     `Hooks`, the `Patches` part (each patch, put back), `install_await`
     _notes       tags, guards, combined Futures, cancellers; `cancel`
@@ -148,6 +149,7 @@ from ._sending import (
     serialize,
 )
 from ._shared import dumps_shared, host_key, loads_shared, snapshot_shared
+from ._static import start_static
 from ._texts import (
     RemoteException,
     failure_kind,
@@ -252,6 +254,7 @@ __all__ = (
     "set_unwrap",
     "share_version",
     "snapshot_shared",
+    "start_static",
     "stop_serving",
     "storage_shared",
     "store_address",
