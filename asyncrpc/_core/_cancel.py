@@ -1,24 +1,20 @@
 """Cancelling calls: the caller's request, the callee's record of the calls it runs.
 
-A cancel travels as a message on the RPC itself, to a function that only
-marks the call (`deliver`): a free RPC thread of the callee takes it
-within a round trip. A callee whose RPC threads are all busy (the call to
-stop may itself wait in torch's queue behind them) does not take it at
-once, so a cancel not taken within `_BY_RPC_S` also goes through the
-store the world was formed with, where a watcher thread on each worker,
-blocked on that store, takes it::
+A cancel must reach a callee whose RPC threads may all be busy (the call to
+stop may itself wait in torch's queue behind them), so it does not travel as
+an RPC: it goes through the store the world was formed with, and a watcher
+thread on each worker, blocked on that store, takes it at once::
 
-    caller                                                             callee
+    caller                        world's store                      callee
     fut.cancel()
-      RPC  deliver(key)  ────────────────────────────> an RPC thread: deliver(key)
-      not taken within 2 ms (every RPC thread busy)?       running?   mark it cancelled; an
-      add  cancel/{callee}/n   ──> store                              async def gets CancelledError
-      set  cancel/{callee}/{n} ──> "{key}" ── wakes ──> watcher:      at its await and cancels
-                                                        deliver(key)  what it awaits (the next hop)
+      add  cancel/{callee}/n   ──> n
+      set  cancel/{callee}/{n} ──> "{key}"  ── wakes ──> watcher: deliver(key)
+                                                           running?   mark it cancelled; an
+                                                                      async def gets CancelledError
+                                                                      at its await and cancels
+                                                                      what it awaits (the next hop)
                                                            not yet?   a tombstone: it never starts
     <──────────── the call's reply: CancelledError ──────────── (its own Future fails) ──
-
-A cancel that arrives twice (both ways) stops the call once.
 
 Every call asyncrpc sends carries a key, ``caller rank << 40 | number``. A
 sync function cannot be stopped from outside: it can poll `cancelled()`;
@@ -74,7 +70,6 @@ TOMBSTONE_S = 120.0  # how long a cancel waits for a call that has not started y
 TOMBSTONES_MAX = 65_536  # the most kept at once: the oldest go first
 ENDED_KEPT = 4_096  # calls that ended lately: a cancel racing their reply finds them
 _JOIN_S = 3.0  # how long a stopping watcher may take
-_BY_RPC_S = 0.002  # how long a cancel's RPC may wait for a free thread before the store carries it
 _GUARD_POLL_S = 0.2  # how often the exit guard looks whether the main thread has ended
 KEY_BITS = 40  # a call's key: caller rank << KEY_BITS | number
 _STOP = "stop"
@@ -121,9 +116,7 @@ def cancel(fut: Any) -> bool:
 
 
 def request(sent: Sent) -> bool:
-    """Ask `sent.callee` to stop the call `sent.key`; False when it cannot be reached."""
-    if _by_rpc(sent):
-        return True
+    """Ask `sent.callee` to stop the call `sent.key`; False when the store cannot be reached."""
     store = _runtime.part(Calls).watcher.store
     if store is None:
         return False
@@ -132,18 +125,6 @@ def request(sent: Sent) -> bool:
     except Exception:  # the world is going away: nothing is left to stop
         return False
     return True
-
-
-def _by_rpc(sent: Sent) -> bool:
-    """Send the cancel as an RPC; True once an RPC thread of the callee has taken it."""
-    taken = threading.Event()
-    try:
-        info = _torch.current_agent().get_worker_info(sent.callee)
-        fut = _torch.send_python(info, deliver, (sent.key,), {}, _torch.UNSET_TIMEOUT, False)
-    except Exception:  # gone from the group, or the agent stopped: the store may still carry it
-        return False
-    _torch.add_callback(fut, lambda _: taken.set())
-    return taken.wait(_BY_RPC_S) and _torch.outcome(fut)[0]
 
 
 def send_request(store: Any, rank: int, text: str) -> None:
@@ -320,7 +301,7 @@ def deliver(key: int) -> None:
             if key not in calls.ended_keys:
                 _bury(calls.tombstones, key)
             return
-        if state.cancelled:  # it came both ways (`request`), or was cancelled here
+        if state.cancelled:  # asked twice, or cancelled here already: it stops once
             return
         state.cancelled = True
         on_cancel = state.on_cancel

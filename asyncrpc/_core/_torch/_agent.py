@@ -287,6 +287,11 @@ def failing_fast() -> Iterator[None]:
     the agent stops at once instead (`graceful=False`) and the join's own
     failure is raised: the process fails, its supervisor starts it again, and
     a token left held by a dead process is released (`forget_member`).
+
+    It also skips the first of the join's two rounds, asking each member in
+    turn for its devices and device maps: asyncrpc's dynamic groups refuse
+    CUDA devices in every member (`_devices`), so each answer is "none",
+    and each ask cost a round trip per member under the token.
     """
     module = vars(_backends)["api"]
     setattr(_backends, "api", _FastLeave(module))  # noqa: B010 (a module torch does not type)
@@ -307,3 +312,14 @@ class _FastLeave:
 
     def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
         self._module.shutdown(graceful=False)
+
+    def rpc_sync(self, to: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        if func is _backends._get_device_infos and not _own_devices():
+            return 0, {}, []  # a member's devices: none in any member, as this one has none
+        return self._module.rpc_sync(to, func, *args, **kwargs)
+
+
+def _own_devices() -> bool:
+    """Whether this process's agent was given devices or device maps."""
+    options = current_agent()._get_backend_options()
+    return bool(options.devices or options.device_maps)
