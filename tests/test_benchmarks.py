@@ -80,6 +80,10 @@ CASES = {
         ["--rounds", "1", "--batches", "1", "--sample-seconds", "0.02"],
         ["| 1 | vmap engine |", "| 1 | floor (baddbmm chain) |", "batch 1: auto chose"],
     ),
+    "grow": (
+        ["--to", "10"],
+        ["add 8, to 10 workers", "add 1, to 11 workers"],
+    ),
     "scale": (
         ["--sizes", "2", "3", "--rounds", "1", "--no-ray"],
         [

@@ -111,3 +111,19 @@ def test_a_caller_without_threads_is_the_warm_interpreter_itself() -> None:
         assert {r["kind"] for r in found} == {kind}, (world, rows)
     assert warm["first"]["warm"] != warm["second"]["warm"]  # one fork per world
     assert warm["first"]["alive"] == warm["second"]["alive"] == "False", warm
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(120)
+def test_a_script_with_its_stdout_closed_runs_a_world() -> None:
+    """`python script.py >&-` leaves Python no stdout (None): nothing flushes it."""
+    import subprocess
+    import sys
+
+    program = ROOT / "tests" / "programs" / "closed_stdout.py"
+    done = subprocess.run(
+        ["bash", "-c", f'"{sys.executable}" "{program}" >&-'],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True, timeout=110,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "result=42" in done.stderr, done.stderr[-3000:]

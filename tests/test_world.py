@@ -243,3 +243,11 @@ def test_world_formation_errors(case: str, pattern: str) -> None:
     done = run_program("python", str(PROGRAMS / "misuse.py"), case, timeout=60)
     assert done.returncode == 3, done.stderr
     assert __import__("re").search(pattern, done.stdout), done.stdout
+
+
+def test_a_size_mismatch_names_only_the_ranks_that_disagree() -> None:
+    from asyncrpc._core import _rendezvous
+
+    with pytest.raises(asyncrpc.WorldSizeMismatchError) as raised:
+        _rendezvous._check_sizes(1, {0: 3, 1: 3, 2: 4}, 3)
+    assert "this one (rank 1) has world_size=3, but rank(s) report {2: 4};" in str(raised.value)

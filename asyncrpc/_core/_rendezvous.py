@@ -168,10 +168,11 @@ def _claims(space: Store) -> dict[int, int]:
 
 
 def _check_sizes(rank: int, sizes: dict[int, int], world_size: int) -> None:
-    if any(size != world_size for size in sizes.values()):
+    others = {r: size for r, size in sorted(sizes.items()) if size != world_size}
+    if others:
         raise WorldSizeMismatchError(
             f"workers disagree on the world size: this one (rank {rank}) has "
-            f"world_size={world_size}, but rank(s) report {dict(sorted(sizes.items()))}; "
+            f"world_size={world_size}, but rank(s) report {others}; "
             f"start every worker with the same world_size (or the same WORLD_SIZE / "
             f"--nproc-per-node)"
         )

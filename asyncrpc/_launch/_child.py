@@ -79,7 +79,8 @@ def close_outputs(outputs: tuple[Connection | None, ...]) -> None:
 def _write_to(outputs: tuple[Connection | None, ...]) -> None:
     for fd, stream, output in zip((1, 2), (sys.stdout, sys.stderr), outputs, strict=True):
         if output is not None:
-            stream.flush()
+            if stream is not None:  # None: the script was started with that stream closed
+                stream.flush()
             os.dup2(output.fileno(), fd)
             output.close()
 

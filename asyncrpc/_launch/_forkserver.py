@@ -187,6 +187,8 @@ def _safe_here() -> bool:
         return False
     if threading.active_count() != 1 or threading.current_thread() is not threading.main_thread():
         return False
+    if len(sys._current_frames()) != 1:  # a thread of `_thread` that `threading` does not count
+        return False
     if _runtime.SLOT.pool_started:
         return False
     import torch
@@ -225,8 +227,9 @@ def _pool_survives(torch: Any) -> bool:
 
 def _fork() -> int:
     """os.fork, this process's buffered output written first (or each child writes it again)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None: the script was started with that stream closed
+            stream.flush()
     with warnings.catch_warnings():
         # Python 3.12+ warns of any thread: here only idle native ones (OpenBLAS's).
         warnings.filterwarnings("ignore", message=".*fork", category=DeprecationWarning)

@@ -484,6 +484,11 @@ class BaseModel(RuleBasedStateMachine):
                     self._sync_until_joined(self.workers[other])
         pid = worker.pid
         assert pid is not None
+        if _state(pid) in (None, "Z", "X") and Shared.closed_listener(
+            worker.name, worker.attempt + 1
+        ):  # it ended itself meanwhile (a newborn killed as it connected closed its listener)
+            self._catch_up(worker, worker.attempt + 1)
+            return
         _kill(pid)
         self._killed(worker)
         if newborn is not None:
