@@ -177,8 +177,11 @@ def _end_here(pid: int) -> None:
         return
     os.close(server._forkserver_alive_fd)
     server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
-    os.kill(pid, signal.SIGKILL)  # its workers have ended: nothing is left for it to fork
-    os.waitpid(pid, 0)
+    try:
+        os.kill(pid, signal.SIGKILL)  # its workers have ended: nothing is left for it to fork
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):  # reaped already (a SIGCHLD handler's)
+        pass
 
 
 def _safe_here() -> bool:
