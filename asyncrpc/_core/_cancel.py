@@ -410,7 +410,6 @@ class _Watcher:
         self.thread: threading.Thread | None = None
         self.guard: threading.Thread | None = None
         self.done = threading.Event()  # ends the guard
-        self.connected = threading.Event()  # the watcher has its own connection (`_watch`)
         self.rank = -1
         self.store: Any = None  # the side channel: requests go there, a stop wakes it
         self.address: str | None = None  # where the store listens, if it is a TCPStore
@@ -465,7 +464,6 @@ def watch(
         guard = threading.Thread(
             target=_guard, args=(calls, done, agent_gone), name="asyncrpc-exit-guard", daemon=False
         )
-        watcher.connected.clear()
         watcher.thread, watcher.rank, watcher.store = thread, rank, store
         watcher.guard, watcher.done = guard, done
         watcher.address, watcher.prefix = _torch.store_address(root), prefix
@@ -524,10 +522,10 @@ def _stop(calls: Calls) -> None:
         send_request(store, rank, _STOP)
     except Exception:
         pass  # the store is gone: the watcher's wait fails at once, and it ends
-    if watcher.connected.is_set():
-        thread.join(_JOIN_S)
-    # Else it still waits for its connection (a dropped name lookup: 5-10 s): it
-    # reads the stop once connected, or finds the store gone, and ends then.
+    # Joined also while it still makes its connection: a thread inside torch's store
+    # client when the interpreter finalizes aborts the process (a world ended as soon
+    # as it started). Connected, it reads the stop at once.
+    thread.join(_JOIN_S)
 
 
 def _watch(watcher: _Watcher, root: Any, prefix: str, rank: int) -> None:
@@ -538,7 +536,6 @@ def _watch(watcher: _Watcher, root: Any, prefix: str, rank: int) -> None:
         store = _torch.PrefixStore(prefix, root.clone())
     except Exception:  # the store went away with the world
         return
-    watcher.connected.set()
     forever = datetime.timedelta(days=365)
     for number in itertools.count(1):
         key = f"queue/{rank}/{number}"
