@@ -410,6 +410,8 @@ class _Watcher:
         self.thread: threading.Thread | None = None
         self.guard: threading.Thread | None = None
         self.done = threading.Event()  # ends the guard
+        self.connected = threading.Event()  # the watcher has its own connection (`_watch`)
+        self.exits_at_once = False  # this process ends with os._exit (an embedded worker)
         self.rank = -1
         self.store: Any = None  # the side channel: requests go there, a stop wakes it
         self.address: str | None = None  # where the store listens, if it is a TCPStore
@@ -426,6 +428,7 @@ def watch(
     answer: Answer | None = None,
     agent_gone: Callable[[], bool] | None = None,
     member: Callable[[str], None] | None = None,
+    exits_at_once: bool = False,
 ) -> None:
     """Start this worker's watcher of its side channel (once per world).
 
@@ -435,6 +438,8 @@ def watch(
     torch's agent has stopped without asyncrpc (torch's own `rpc.shutdown()`):
     it ends what the world set up, or returns False when someone else does.
     `member(text)` takes the news of a world that heals ("member gone ...").
+    `exits_at_once`: this process ends with `os._exit` (an embedded worker),
+    so the world's end need not wait for a watcher still connecting.
     """
     calls = _runtime.part(Calls)
     watcher = calls.watcher
@@ -464,6 +469,8 @@ def watch(
         guard = threading.Thread(
             target=_guard, args=(calls, done, agent_gone), name="asyncrpc-exit-guard", daemon=False
         )
+        watcher.connected.clear()
+        watcher.exits_at_once = exits_at_once
         watcher.thread, watcher.rank, watcher.store = thread, rank, store
         watcher.guard, watcher.done = guard, done
         watcher.address, watcher.prefix = _torch.store_address(root), prefix
@@ -522,10 +529,11 @@ def _stop(calls: Calls) -> None:
         send_request(store, rank, _STOP)
     except Exception:
         pass  # the store is gone: the watcher's wait fails at once, and it ends
-    # Joined also while it still makes its connection: a thread inside torch's store
-    # client when the interpreter finalizes aborts the process (a world ended as soon
-    # as it started). Connected, it reads the stop at once.
-    thread.join(_JOIN_S)
+    # Joined also while it still makes its connection (a dropped name lookup: 5-10 s):
+    # a thread inside torch's store client when the interpreter finalizes aborts the
+    # process. Not in a process that ends with os._exit: nothing finalizes there.
+    if watcher.connected.is_set() or not watcher.exits_at_once:
+        thread.join(_JOIN_S)
 
 
 def _watch(watcher: _Watcher, root: Any, prefix: str, rank: int) -> None:
@@ -536,6 +544,7 @@ def _watch(watcher: _Watcher, root: Any, prefix: str, rank: int) -> None:
         store = _torch.PrefixStore(prefix, root.clone())
     except Exception:  # the store went away with the world
         return
+    watcher.connected.set()
     forever = datetime.timedelta(days=365)
     for number in itertools.count(1):
         key = f"queue/{rank}/{number}"

@@ -223,7 +223,8 @@ def _watch(
     reporter = _snapshot.Reporter(
         ctx.rank, ctx.names, world.threads, attempt=ctx.attempt, members=lambda: world.members
     )
-    _cancel.watch(prefix, reporter, agent_gone, member=_healing.news)
+    _cancel.watch(prefix, reporter, agent_gone, member=_healing.news,
+                  exits_at_once=world.end_process is not None)  # fmt: skip
     channel = _cancel.side_channel()
     if channel is None or world.registration is not None:
         return
