@@ -430,24 +430,19 @@ def _start_agent(world: World, master_addr: str, joining: Joining | None) -> Non
         settings.devices, settings.device_maps, ctx, world.store, world.tag,
         joining is not None, settings.init_timeout,
     )  # fmt: skip
+    # Keys of its own per attempt: after a restart, torch's agent must not read the
+    # addresses the previous attempt's workers left in the store.
     rpc_store = PrefixStore(f"asyncrpc/{world.tag}/rpc/", world.store)
-    if joining is None:  # a static group: torch's agent started without its Gloo group
-        options = _torch.backend_options(
-            settings.num_worker_threads, settings.rpc_timeout, "", settings.transports,
-            settings.channels, maps,
-        )  # fmt: skip
+    static = joining is None  # a static group: torch's agent started without its Gloo group
+    # A dynamic group (a world that heals) meets through torch's rendezvous: the handoff.
+    init_method = "" if static else _rendezvous.hand_off(rpc_store, world.key_rank, ctx.world_size)
+    options = _torch.backend_options(
+        settings.num_worker_threads, settings.rpc_timeout, init_method, settings.transports,
+        settings.channels, maps,
+    )  # fmt: skip
+    if static:
         _torch.start_static(rpc_store, world.torch_name, ctx.rank, ctx.world_size, options)
         return
-    options = _torch.backend_options(
-        settings.num_worker_threads,
-        settings.rpc_timeout,
-        # Keys of its own per attempt: after a restart, torch's agent must not
-        # read the addresses the previous attempt's workers left in the store.
-        _rendezvous.hand_off(rpc_store, world.key_rank, ctx.world_size),
-        settings.transports,
-        settings.channels,
-        maps,
-    )
     with _torch.failing_fast():
         # A world that heals is one of torch's dynamic groups: members join and leave.
         rpc.init_rpc(  # type: ignore[no-untyped-call]

@@ -25,8 +25,10 @@ from . import _parent
 __all__ = ("install",)
 
 
-def install() -> None:
-    """In a warm interpreter, once: freeze before each fork; each child dies with it."""
+def install(parent: int) -> None:
+    """In a warm interpreter, once: it dies with `parent` (its own parent, the
+    supervisor); it freezes its heap before each fork; each child dies with it."""
+    _parent.die_with_parent(parent)
     os.register_at_fork(before=gc.freeze, after_in_child=_forked)
 
 
@@ -39,5 +41,4 @@ def _forked() -> None:
 
 if os.environ.get(_parent.PARENT_VARIABLE) == str(os.getppid()):  # multiprocessing's forkserver
     os.environ.pop(_parent.PARENT_VARIABLE)
-    _parent.die_with_parent(os.getppid())
-    install()
+    install(os.getppid())

@@ -153,8 +153,7 @@ def _fork_here() -> int | None:
         code = 1
         try:
             os.close(alive_w)
-            _parent.die_with_parent(parent)
-            _forking.install()
+            _forking.install(parent)
             # Each worker imports the script, as a forkserver's does (`__mp_main__`): it
             # runs what the script runs at import, and not what the caller ran since.
             sys.modules["__main__"] = types.ModuleType("__main__")
