@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from ._core import _calls, _cancel, _torch
+from ._core import _calls, _torch, _watcher
 from ._core._errors import BatchNotSentError, CancelledError, WorkerUnreachableError
 from ._core._execution import Kind, classify, run_python, run_python_async, run_resolved
 from ._core._failures import Failure, hold, label_of
@@ -226,7 +226,7 @@ class _Canceller:
             return settle.reject(CancelledError(unsent, self.worker))
         if not settle.reject(CancelledError(what, self.worker)):
             return False  # its outcome arrived first
-        _cancel.request(self.sent)  # sent already: its callee stops it
+        _watcher.request(self.sent)  # sent already: its callee stops it
         return True
 
 

@@ -38,7 +38,15 @@ CORE_TIERS: dict[str, list[str]] = {
     # Every private torch name, text and patch (a subpackage with its own order).
     "torch boundary": ["_torch"],
     # A call's outcome: its failure as a value, its Future, its cancel, in flight.
-    "outcomes": ["_failures", "_unwaited", "_futures", "_cancel", "_activity", "_reply"],
+    "outcomes": [
+        "_failures",
+        "_unwaited",
+        "_futures",
+        "_cancel",
+        "_watcher",
+        "_activity",
+        "_reply",
+    ],
     # What a world is made of: options, addresses, the store, members and their records.
     "world state": [
         "_device_options",

@@ -2,13 +2,14 @@
 
 A cancel must reach a callee whose RPC threads may all be busy (the call to
 stop may itself wait in torch's queue behind them), so it does not travel as
-an RPC: it goes through the store the world was formed with, and a watcher
-thread on each worker, blocked on that store, takes it at once::
+an RPC: it goes through the world's side channel, a queue per worker in the
+store the world was formed with, which a watcher thread on each worker
+(`_watcher`), blocked on that store, takes at once::
 
     caller                        world's store                      callee
     fut.cancel()
-      add  cancel/{callee}/n   ──> n
-      set  cancel/{callee}/{n} ──> "{key}"  ── wakes ──> watcher: deliver(key)
+      add  queue/{callee}/n    ──> n
+      set  queue/{callee}/{n}  ──> "{key}"  ── wakes ──> watcher: deliver(key)
                                                            running?   mark it cancelled; an
                                                                       async def gets CancelledError
                                                                       at its await and cancels
@@ -24,9 +25,7 @@ whatever it returns, a cancelled call's reply is a CancelledError.
 from __future__ import annotations
 
 import collections
-import datetime
 import itertools
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -54,25 +53,17 @@ __all__ = (
     "deliver",
     "end",
     "enter",
+    "forget",
     "hand_over",
     "new_key",
-    "request",
     "running_calls",
-    "send_request",
-    "side_channel",
-    "stop_watching",
     "taker",
-    "watch",
-    "watching",
 )
 
 TOMBSTONE_S = 120.0  # how long a cancel waits for a call that has not started yet
 TOMBSTONES_MAX = 65_536  # the most kept at once: the oldest go first
 ENDED_KEPT = 4_096  # calls that ended lately: a cancel racing their reply finds them
-_JOIN_S = 3.0  # how long a stopping watcher may take
-_GUARD_POLL_S = 0.2  # how often the exit guard looks whether the main thread has ended
 KEY_BITS = 40  # a call's key: caller rank << KEY_BITS | number
-_STOP = "stop"
 
 
 class Sent(NamedTuple):
@@ -113,24 +104,6 @@ def cancel(fut: Any) -> bool:
             f"cancel takes a Future (what rpc_async returns), got {type(fut).__name__} {fut!r:.60}"
         )
     return _torch.cancel(fut)
-
-
-def request(sent: Sent) -> bool:
-    """Ask `sent.callee` to stop the call `sent.key`; False when the store cannot be reached."""
-    store = _runtime.part(Calls).watcher.store
-    if store is None:
-        return False
-    try:
-        send_request(store, sent.callee, str(sent.key))
-    except Exception:  # the world is going away: nothing is left to stop
-        return False
-    return True
-
-
-def send_request(store: Any, rank: int, text: str) -> None:
-    """Queue `text` for worker `rank`'s watcher in the side channel `store`."""
-    number = store.add(f"queue/{rank}/n", 1)
-    store.set(f"queue/{rank}/{number}", text)
 
 
 # ---- the callee's side: calls running here, and cancels that came first ----------------
@@ -174,8 +147,8 @@ class Calls:
     """This world's calls, as the callee sees them (a part of `_runtime`).
 
     The calls running here, the cancels that came before their call
-    (tombstones), the calls that ended lately, this process's key numbers,
-    and the watcher of the side channel; `close` stops the watcher.
+    (tombstones), the calls that ended lately, and this process's key
+    numbers; `close` forgets the cancels.
     """
 
     def __init__(self) -> None:
@@ -187,10 +160,9 @@ class Calls:
         self.ended: collections.deque[int] = collections.deque(maxlen=ENDED_KEPT)
         self.ended_keys: set[int] = set()
         self.numbers = itertools.count(1)
-        self.watcher = _Watcher()
 
     def close(self) -> None:
-        _stop(self)
+        forget(self)
 
 
 def begin(key: int, call: tuple[Any, ...] = ()) -> Running | None:
@@ -397,184 +369,10 @@ def cancelled() -> bool:
     return state is not None and bool(state.cancelled)
 
 
-# ---- the watcher: cancels addressed to this worker, taken from the store -------------------
-
-
-SIDE_PREFIX = "asyncrpc/side/"  # a world torch started; asyncrpc's own add its attempt
-
-
-class _Watcher:
-    def __init__(self) -> None:
-        self.started = False
-        self.lock = threading.Lock()
-        self.thread: threading.Thread | None = None
-        self.guard: threading.Thread | None = None
-        self.done = threading.Event()  # ends the guard
-        self.connected = threading.Event()  # the watcher has its own connection (`_watch`)
-        self.exits_at_once = False  # this process ends with os._exit (an embedded worker)
-        self.rank = -1
-        self.store: Any = None  # the side channel: requests go there, a stop wakes it
-        self.address: str | None = None  # where the store listens, if it is a TCPStore
-        self.prefix = SIDE_PREFIX
-        self.answer: Callable[[str], str] | None = None
-        self.member: Callable[[str], None] | None = None  # "member ..." texts (_membership)
-
-
-Answer = Callable[[str], str]  # a request's kind -> the answer (JSON text)
-
-
-def watch(
-    prefix: str = SIDE_PREFIX,
-    answer: Answer | None = None,
-    agent_gone: Callable[[], bool] | None = None,
-    member: Callable[[str], None] | None = None,
-    exits_at_once: bool = False,
-) -> None:
-    """Start this worker's watcher of its side channel (once per world).
-
-    The channel is `prefix` in the root store of torch's agent (the world's
-    store). `answer(kind)` answers requests other than cancels ("ask" from
-    `_side`); without it they get no answer. `agent_gone()` is called once
-    torch's agent has stopped without asyncrpc (torch's own `rpc.shutdown()`):
-    it ends what the world set up, or returns False when someone else does.
-    `member(text)` takes the news of a world that heals ("member gone ...").
-    `exits_at_once`: this process ends with `os._exit` (an embedded worker),
-    so the world's end need not wait for a watcher still connecting.
-    """
-    calls = _runtime.part(Calls)
-    watcher = calls.watcher
-    with watcher.lock:
-        if answer is not None:
-            watcher.answer = answer
-        if member is not None:
-            watcher.member = member
-        if watcher.started or not _torch.agent_running():
-            return
-        watcher.started = True  # also when it cannot start: calls must not retry each time
-        try:
-            root = _torch.root_store(_torch.agent_store())
-            store = _torch.PrefixStore(prefix, root)
-            rank = int(_torch.current_agent().get_worker_info().id)
-        except Exception:  # an agent without a store: cancels cannot reach this worker
-            return
-        thread = threading.Thread(
-            target=_watch, args=(watcher, root, prefix, rank), name="asyncrpc-cancels", daemon=True
-        )
-        # A thread still inside torch's store when the interpreter finalizes aborts the
-        # process, so the watcher must stop first, also when the program never calls
-        # shutdown. The guard is no daemon: the interpreter waits for it before atexit
-        # and finalization, and it stops the watcher once the main thread has ended.
-        # (An atexit hook would stay registered, and leave a slot behind per world.)
-        done = threading.Event()
-        guard = threading.Thread(
-            target=_guard, args=(calls, done, agent_gone), name="asyncrpc-exit-guard", daemon=False
-        )
-        watcher.connected.clear()
-        watcher.exits_at_once = exits_at_once
-        watcher.thread, watcher.rank, watcher.store = thread, rank, store
-        watcher.guard, watcher.done = guard, done
-        watcher.address, watcher.prefix = _torch.store_address(root), prefix
-        thread.start()
-        guard.start()
-
-
-def watching() -> bool:
-    """True once this worker's watcher has been started (or could not be)."""
-    return _runtime.part(Calls).watcher.started
-
-
-def side_channel() -> tuple[Any, str | None, str] | None:
-    """(store, address, prefix) of this worker's side channel while it watches, else None."""
-    watcher = _runtime.part(Calls).watcher
-    with watcher.lock:
-        if watcher.store is None:
-            return None
-        return watcher.store, watcher.address, watcher.prefix
-
-
-def _guard(calls: Calls, done: threading.Event, agent_gone: Callable[[], bool] | None) -> None:
-    main = threading.main_thread()
-    while not done.wait(_GUARD_POLL_S):
-        if not main.is_alive():  # the interpreter is exiting: it waits for this thread
-            _stop(calls)
-            return
-        if agent_gone is not None and not _torch.agent_running() and agent_gone():
-            return  # torch's own shutdown ended the world; agent_gone stopped the watcher
-
-
-def stop_watching() -> None:
-    """Stop this worker's watcher once its world has ended (a message wakes it)."""
-    _stop(_runtime.part(Calls))
-
-
-def _stop(calls: Calls) -> None:
-    watcher = calls.watcher
-    with watcher.lock:
-        thread, rank, store = watcher.thread, watcher.rank, watcher.store
-        guard, done = watcher.guard, watcher.done
-        watcher.started, watcher.thread, watcher.store, watcher.guard = (
-            False, None, None, None,
-        )  # fmt: skip
-        watcher.answer, watcher.address, watcher.member = None, None, None
+def forget(calls: Calls | None = None) -> None:
+    """Drop the tombstones and the calls that ended lately (the world's side channel closed)."""
+    calls = calls if calls is not None else _runtime.part(Calls)
     with calls.lock:
         calls.tombstones.clear()
         calls.ended.clear()
         calls.ended_keys.clear()
-    done.set()
-    if guard is not None and guard is not threading.current_thread():
-        guard.join(_JOIN_S)
-    if thread is None:
-        return
-    try:
-        send_request(store, rank, _STOP)
-    except Exception:
-        pass  # the store is gone: the watcher's wait fails at once, and it ends
-    # Joined also while it still makes its connection (a dropped name lookup: 5-10 s):
-    # a thread inside torch's store client when the interpreter finalizes aborts the
-    # process. Not in a process that ends with os._exit: nothing finalizes there.
-    if watcher.connected.is_set() or not watcher.exits_at_once:
-        thread.join(_JOIN_S)
-
-
-def _watch(watcher: _Watcher, root: Any, prefix: str, rank: int) -> None:
-    # Its own connection, for it blocks in wait(); made here, not in the start: each
-    # connection is a name lookup in c10d, and a resolver that drops a burst of them
-    # (every worker of a large world at once) stalls this thread 5 s, not the start.
-    try:
-        store = _torch.PrefixStore(prefix, root.clone())
-    except Exception:  # the store went away with the world
-        return
-    watcher.connected.set()
-    forever = datetime.timedelta(days=365)
-    for number in itertools.count(1):
-        key = f"queue/{rank}/{number}"
-        try:
-            store.wait([key], forever)
-            text = store.get(key).decode()
-            store.delete_key(key)
-        except Exception:  # the store went away with the world
-            return
-        if text == _STOP:
-            return
-        try:
-            if text.startswith("ask "):
-                _answer(watcher, store, text)
-            elif text.startswith("member "):
-                member = watcher.member
-                if member is not None:
-                    member(text)
-            else:
-                deliver(int(text))
-        except Exception:  # a request must never end the watcher
-            continue
-
-
-def _answer(watcher: _Watcher, store: Any, text: str) -> None:
-    """`ask <kind> <reply key>`: answer into the reply key (an error's text if it fails)."""
-    _, kind, reply = text.split(" ", 2)
-    answer = watcher.answer
-    try:
-        payload = answer(kind) if answer is not None else '{"error": "not answering yet"}'
-    except Exception as exc:
-        payload = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-    store.set(reply, payload)

@@ -42,7 +42,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.futures import Future
 
-from . import _cancel, _loop, _objects, _promised, _runtime, _torch
+from . import _cancel, _loop, _objects, _promised, _runtime, _torch, _watcher
 from ._errors import CancelledError, NotAFutureError
 from ._failures import Failure, capture, check_reply, label_of
 from ._futures import await_future, completed, new_future
@@ -135,7 +135,7 @@ def runs_on_loop(func: object, args: Sequence[Any] | None = ()) -> bool:
 def _meet_world() -> None:
     # A worker that only serves calls in a world torch started meets it here: from
     # then on it hears cancels and answers asyncrpc-dump (its watcher runs).
-    if not _cancel.watching():
+    if not _watcher.watching():
         with contextlib.suppress(Exception):
             current_world("a call")
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import _cancel, _runtime, _side, _waits
+from . import _runtime, _side, _waits, _watcher
 from ._failures import label_of
 from ._futures import call_later
 
@@ -139,7 +139,7 @@ def _describe(
     worker: str, label: object, key: int, seconds: float, queues: tuple[int, ...]
 ) -> str:
     head = f"call to {label_of(label)} on {worker} still pending after {seconds:g} s"
-    channel = _cancel.side_channel()
+    channel = _watcher.side_channel()
     if channel is None:
         return f"{head} (this worker has no side channel to ask {worker})"
     store = channel[0].clone()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol
 
-from . import _cancel, _forks, _rendezvous, _runtime, _torch
+from . import _forks, _rendezvous, _runtime, _torch, _watcher
 from ._cancel import Sent
 from ._errors import ObjectLostError, WorkerUnreachableError
 from ._failures import check_reply, hold, name_failure
@@ -134,7 +134,7 @@ HOOKS = _torch.Hooks(
     name_rref=_name_rref,
     check_value=check_reply,
     carry=hold,
-    cancel_call=_cancel.request,
+    cancel_call=_watcher.request,
     handoff=_rendezvous.handoff_handler,
     check_owner=_check_owner,
     check_fork=_check_fork,

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch.futures import Future
 
-from . import _activity, _cancel, _torch
+from . import _activity, _cancel, _torch, _watcher
 from ._errors import CancelledError
 from ._failures import Failure, hold, label_of, name_failure
 from ._futures import new_future
@@ -83,7 +83,7 @@ class Reply:
         _activity.ended(self.outgoing, failed=False)
         future.set_result(hold(cancelled_here(self.worker, self.label)))
         if self.key:  # torch's operators run without a key: nothing to stop there
-            _cancel.request(_cancel.Sent(self.worker, self.label, self.callee, self.key))
+            _watcher.request(_cancel.Sent(self.worker, self.label, self.callee, self.key))
         return True
 
 

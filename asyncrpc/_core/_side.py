@@ -1,7 +1,7 @@
 """Asking the workers of a world through its side channel: no RPC thread is needed.
 
 A request goes into the worker's queue in the world's store, where its
-watcher thread (`_cancel`) takes it at once, however busy its RPC threads
+watcher thread (`_watcher`) takes it at once, however busy its RPC threads
 are, and answers into a key of the asker's choosing::
 
     asker (a worker, asyncrpc-dump)       store (the world's, side prefix)      worker r
@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from . import _cancel, _polling
+from . import _polling, _watcher
 from ._torch import PrefixStore, Store, TCPStore
 
 __all__ = ["ask", "connect"]
@@ -40,7 +40,7 @@ def ask(
     token = uuid.uuid4().hex
     keys = {rank: f"reply/{token}/{rank}" for rank in ranks}
     for rank, key in keys.items():
-        _cancel.send_request(store, rank, f"ask {kind} {key}")
+        _watcher.send_request(store, rank, f"ask {kind} {key}")
     answers: dict[int, dict[str, Any] | None] = dict.fromkeys(keys)
     waiting = dict(keys)
 

@@ -30,7 +30,6 @@ from collections.abc import Callable, Mapping
 import torch.distributed.rpc as rpc
 
 from . import (
-    _cancel,
     _devices,
     _environ,
     _healing,
@@ -43,6 +42,7 @@ from . import (
     _snapshot,
     _threadstates,
     _torch,
+    _watcher,
 )
 from ._context import Context, Settings
 from ._errors import (
@@ -174,7 +174,7 @@ def _adopt() -> World:
     _hooks.install()  # first: a world is only cached once torch is patched for it
     runtime.adopted = (agent, world)
     world.stack.callback(_unregister, world)
-    _watch(world, _cancel.SIDE_PREFIX, agent_gone=_torch_shut_down)
+    _watch(world, _watcher.SIDE_PREFIX, agent_gone=_torch_shut_down)
     return world
 
 
@@ -223,9 +223,9 @@ def _watch(
     reporter = _snapshot.Reporter(
         ctx.rank, ctx.names, world.threads, attempt=ctx.attempt, members=lambda: world.members
     )
-    _cancel.watch(prefix, reporter, agent_gone, member=_healing.news,
+    _watcher.watch(prefix, reporter, agent_gone, member=_healing.news,
                   exits_at_once=world.end_process is not None)  # fmt: skip
-    channel = _cancel.side_channel()
+    channel = _watcher.side_channel()
     if channel is None or world.registration is not None:
         return
     _, address, side = channel

@@ -24,7 +24,7 @@ import functools
 import time
 from collections.abc import Callable
 
-from .._core import _cancel, _membership, _polling, _records, _torch
+from .._core import _membership, _polling, _records, _torch, _watcher
 from .._core._membership import Joining
 from .._core._torch import PrefixStore, Store
 
@@ -232,7 +232,7 @@ class Healer:
         for name in sorted(names):
             key = f"id/{name}"
             if self.space.check([key]):  # one that has not joined yet has nothing to forget
-                _cancel.send_request(self.side, int(self.space.get(key).decode()), text)
+                _watcher.send_request(self.side, int(self.space.get(key).decode()), text)
 
     def _wait_for_acks(self, seq: int, names: set[str]) -> None:
         """Wait (bounded: `_ACK_S`) until each of `names` acked, died, or the world ends."""

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 import asyncrpc
-from asyncrpc._core import _cancel, _runtime
+from asyncrpc._core import _runtime, _watcher
 
 from helpers import fail, free_port
 
@@ -35,7 +35,7 @@ def main() -> None:
     runtime = _runtime.SLOT.runtime
     if runtime is adopted or runtime.adopted is not None:
         fail("the new world took over the adopted world's runtime")
-    channel = _cancel.side_channel()
+    channel = _watcher.side_channel()
     if channel is None or channel[2] != "asyncrpc/0/side/":
         fail(f"the new world's side channel is not its own: {channel}")
     fut = asyncrpc.rpc_async("worker0", wait_forever)
