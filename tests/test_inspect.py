@@ -414,6 +414,22 @@ def test_the_commands_work_in_every_kind_of_world(how: str, tmp_path: pathlib.Pa
     assert next(w["in_flight"] for w in json.loads(top.stdout)["workers"]) >= 1
 
 
+def test_a_world_torch_ended_just_before_its_processes_exit_leaves_no_registration(
+    tmp_path: pathlib.Path,
+) -> None:
+    # busy_world --torch ends with torch's own rpc.shutdown(), and each process returns
+    # from mp.spawn's function at once: the exit guard ends the world before the watcher.
+    world = _start([sys.executable, BUSY, "0.2", "--torch"], tmp_path)
+    try:
+        _registered(tmp_path, 2)
+        out, err = world.communicate(timeout=90)
+    finally:
+        _stop(world)
+    assert world.returncode == 0, err[-3000:]
+    assert "done" in out
+    assert sorted(p.name for p in (tmp_path / "asyncrpc").iterdir()) == []
+
+
 def test_every_verb_reports_a_slow_call_once_and_a_quick_one_never() -> None:
     from conftest import run_program
 

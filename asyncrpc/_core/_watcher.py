@@ -173,11 +173,13 @@ def side_channel() -> tuple[Any, str | None, str] | None:
 def _guard(watcher: Watcher, done: threading.Event, agent_gone: Callable[[], bool] | None) -> None:
     main = threading.main_thread()
     while not done.wait(_GUARD_POLL_S):
+        # torch's own shutdown first: a program that exits right after it still has the
+        # world ended (its registration removed), as if it had lived one poll longer.
+        if agent_gone is not None and not _torch.agent_running() and agent_gone():
+            return  # torch's own shutdown ended the world; agent_gone stopped the watcher
         if not main.is_alive():  # the interpreter is exiting: it waits for this thread
             _stop(watcher)
             return
-        if agent_gone is not None and not _torch.agent_running() and agent_gone():
-            return  # torch's own shutdown ended the world; agent_gone stopped the watcher
 
 
 def stop_watching() -> None:
