@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import PROGRAMS, start_program
+from processes import stacks
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("hosts")]  # one pair of hosts
 
@@ -126,26 +127,8 @@ def _result(results: list[tuple[int, str, str]]) -> dict[str, object]:
     return found
 
 
-def _outputs(procs: list[subprocess.Popen[str]]) -> str:
-    """What each launcher printed, once stopped: why a run did not get where it should."""
-    for proc in procs:
-        proc.kill()
-    said = []
-    for number, proc in enumerate(procs):
-        try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired as exc:  # a worker of it still holds the pipe
-            out, err = _text(exc.output), _text(exc.stderr)
-        said.append(f"--- launcher {number} (exit {proc.returncode})\n{out[-2000:]}{err[-4000:]}")
-    return "\n".join(said)
-
-
 def _all_running(procs: list[subprocess.Popen[str]]) -> bool:
     return all(proc.poll() is None for proc in procs)
-
-
-def _text(data: str | bytes | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
 
 
 def test_calls_chains_and_rrefs_cross_the_hosts(hosts: tuple[Host, Host]) -> None:
@@ -457,7 +440,9 @@ def test_a_node_joins_a_running_world_and_a_preempted_one_leaves_while_the_run_g
         procs.append(start_program("ip", "netns", "exec", hosts[1].namespace, *joined, env={}))
         while not status.exists() and _all_running(procs) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert status.exists(), "worker0 never saw the joined node\n" + _outputs(procs)
+        if not status.exists():  # each launcher's threads, and its tree ended
+            said = [f"--- launcher {n}:\n{stacks(proc)}" for n, proc in enumerate(procs)]
+            raise AssertionError("worker0 never saw the joined node\n" + "\n".join(said))
         procs[1].send_signal(signal.SIGTERM)  # `ip netns exec` passes it to the launcher
         results = []
         for proc in procs:

@@ -53,7 +53,6 @@ __all__ = (
     "deliver",
     "end",
     "enter",
-    "forget",
     "hand_over",
     "new_key",
     "running_calls",
@@ -162,7 +161,10 @@ class Calls:
         self.numbers = itertools.count(1)
 
     def close(self) -> None:
-        forget(self)
+        with self.lock:  # the world has ended: no cancel can come for these any more
+            self.tombstones.clear()
+            self.ended.clear()
+            self.ended_keys.clear()
 
 
 def begin(key: int, call: tuple[Any, ...] = ()) -> Running | None:
@@ -367,12 +369,3 @@ def cancelled() -> bool:
     """
     state = current()
     return state is not None and bool(state.cancelled)
-
-
-def forget(calls: Calls | None = None) -> None:
-    """Drop the tombstones and the calls that ended lately (the world's side channel closed)."""
-    calls = calls if calls is not None else _runtime.part(Calls)
-    with calls.lock:
-        calls.tombstones.clear()
-        calls.ended.clear()
-        calls.ended_keys.clear()

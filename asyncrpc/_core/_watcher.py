@@ -38,7 +38,6 @@ __all__ = (
     "request",
     "send_request",
     "side_channel",
-    "stop_watching",
     "watch",
     "watching",
 )
@@ -55,7 +54,6 @@ class Watcher:
     """This world's watcher of its side channel (a part of `_runtime`); `close` stops it."""
 
     def __init__(self) -> None:
-        self.calls: _cancel.Calls | None = None  # its world's cancels, forgotten at its stop
         self.started = False
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
@@ -124,7 +122,6 @@ def watch(
             watcher.member = member
         if watcher.started or not _torch.agent_running():
             return
-        watcher.calls = _runtime.part(_cancel.Calls)
         watcher.started = True  # also when it cannot start: calls must not retry each time
         try:
             root = _torch.root_store(_torch.agent_store())
@@ -182,11 +179,6 @@ def _guard(watcher: Watcher, done: threading.Event, agent_gone: Callable[[], boo
             return
 
 
-def stop_watching() -> None:
-    """Stop this worker's watcher once its world has ended (a message wakes it)."""
-    _stop(_runtime.part(Watcher))
-
-
 def _stop(watcher: Watcher) -> None:
     with watcher.lock:
         thread, rank, store = watcher.thread, watcher.rank, watcher.store
@@ -195,9 +187,6 @@ def _stop(watcher: Watcher) -> None:
             False, None, None, None,
         )  # fmt: skip
         watcher.answer, watcher.address, watcher.member = None, None, None
-        calls, watcher.calls = watcher.calls, None
-    if calls is not None:
-        _cancel.forget(calls)
     done.set()
     if guard is not None and guard is not threading.current_thread():
         guard.join(_JOIN_S)
